@@ -1,18 +1,115 @@
-"""Entry points of the fused Mosaic GPU kernel (matmul + reduce-scatter).
+"""Entry points of the fused Mosaic GPU kernel (matmul + reduce-scatter along M).
 
-Placeholder until the kernel issue lands: every entry point raises
-NotImplementedError so that `implementation="auto"` falls back to XLA.
+`fused_matmul_reduce_scatter` runs inside shard_map on real devices (NVLink transport);
+`loopback_matmul_reduce_scatter` runs the same protocol with D virtual ranks on one GPU;
+`local_matmul` is the kernel at D = 1 (no communication).
 """
 from __future__ import annotations
 
+import functools
 
-def check_supported(*, m, k_shard, n, dtype, num_devices, config=None):
-  """Raises NotImplementedError/ValueError if the fused kernel cannot take this call."""
-  raise NotImplementedError(
-      "pallas_rs.fused: the fused Mosaic GPU kernel is not built yet")
+import jax
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+
+from pallas_rs import config as config_lib
+from pallas_rs import kernel as kernel_lib
+from pallas_rs import transport as transport_lib
+
+Config = config_lib.Config
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16),)
+MAX_DEVICES = 8
 
 
-def fused_matmul_reduce_scatter(x, w, *, axis_name, num_devices, config=None):
-  """Inside shard_map: x [m, k_shard], w [k_shard, n] -> [m // num_devices, n]."""
-  raise NotImplementedError(
-      "pallas_rs.fused: the fused Mosaic GPU kernel is not built yet")
+def check_supported(*, m: int, k_shard: int, n: int, dtype, num_devices: int,
+                    config: Config | None = None) -> Config:
+  """Returns the config to use, or raises NotImplementedError saying why the kernel can't."""
+  if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
+    raise NotImplementedError(f"fused kernel supports bfloat16 only, got dtype={jnp.dtype(dtype)}")
+  if not 1 <= num_devices <= MAX_DEVICES:
+    raise NotImplementedError(
+        f"fused kernel supports 1 to {MAX_DEVICES} devices (one node), got {num_devices=}")
+  if m % num_devices:
+    raise ValueError(f"{m=} must be divisible by {num_devices=}")
+  if config is None:
+    config = config_lib.default_config(m=m, n=n, k_shard=k_shard, num_devices=num_devices)
+  config.check_shape(m=m, n=n, k_shard=k_shard, num_devices=num_devices)
+  return config
+
+
+def _compiler_params():
+  # Lane semantics is the default in jax 0.10.x, Warpgroup in 0.11.x: always say which.
+  return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+
+
+def _build(transport, *, out_type, config: Config, num_devices: int, name: str):
+  grid, grid_names = transport.grid(config.num_sms)
+  body = functools.partial(kernel_lib.kernel_body, config=config, num_devices=num_devices,
+                           transport=transport)
+  if num_devices == 1:
+    body = functools.partial(_no_recv, body)
+  return plgpu.kernel(
+      body,
+      out_type=out_type,
+      grid=grid,
+      grid_names=grid_names,
+      cluster=(1,),
+      cluster_names=("cluster",),
+      num_threads=kernel_lib._NUM_COMPUTE_WGS + 1,
+      thread_name="wg",
+      compiler_params=_compiler_params(),
+      kernel_name=name,
+  )
+
+
+def _no_recv(body, x, w, out):
+  body(x, w, out, None)
+
+
+def fused_matmul_reduce_scatter(x, w, *, axis_name, num_devices: int,
+                                config: Config | None = None) -> jax.Array:
+  """Inside shard_map over `axis_name` (size num_devices): x [m, k_shard], w [k_shard, n]
+  -> [m // num_devices, n] (row chunk `axis_index` of sum over devices of x @ w)."""
+  m, k_shard = x.shape
+  n = w.shape[1]
+  config = check_supported(m=m, k_shard=k_shard, n=n, dtype=x.dtype,
+                           num_devices=num_devices, config=config)
+  chunk = m // num_devices
+  out = jax.ShapeDtypeStruct((chunk, n), x.dtype)
+  out_type = (out,) if num_devices == 1 else (
+      out, jax.ShapeDtypeStruct((num_devices - 1, chunk, n), x.dtype))
+  f = _build(transport_lib.NVLinkTransport(axis_name, num_devices), out_type=out_type,
+             config=config, num_devices=num_devices, name="pallas_rs_matmul_rs")
+  return f(x, w)[0]
+
+
+def local_matmul(x, w, *, config: Config | None = None) -> jax.Array:
+  """The kernel at D = 1 on one GPU, outside shard_map: x [m, k] @ w [k, n] -> [m, n]."""
+  m, k = x.shape
+  n = w.shape[1]
+  config = check_supported(m=m, k_shard=k, n=n, dtype=x.dtype, num_devices=1, config=config)
+  f = _build(transport_lib.NVLinkTransport("_unused", 1),
+             out_type=(jax.ShapeDtypeStruct((m, n), x.dtype),), config=config, num_devices=1,
+             name="pallas_rs_local_matmul")
+  return f(x, w)[0]
+
+
+def loopback_matmul_reduce_scatter(xs, ws, *, config: Config | None = None) -> jax.Array:
+  """D virtual ranks on one GPU, the real protocol: xs [D, m, k_shard], ws [D, k_shard, n]
+  -> [D, m // D, n] where out[r] is row chunk r of sum_s xs[s] @ ws[s]."""
+  d, m, k_shard = xs.shape
+  n = ws.shape[2]
+  if ws.shape[:2] != (d, k_shard):
+    raise ValueError(f"xs {xs.shape} and ws {ws.shape} must be [D, m, k_shard], [D, k_shard, n]")
+  config = check_supported(m=m, k_shard=k_shard, n=n, dtype=xs.dtype, num_devices=d,
+                           config=config)
+  if d < 2:
+    raise NotImplementedError("loopback needs at least 2 virtual ranks; use local_matmul")
+  if config.num_sms < d:
+    raise NotImplementedError(f"loopback needs num_sms >= D, got {config.num_sms=}, {d=}")
+  chunk = m // d
+  out_type = (jax.ShapeDtypeStruct((d, chunk, n), xs.dtype),
+              jax.ShapeDtypeStruct((d, d - 1, chunk, n), xs.dtype))
+  f = _build(transport_lib.LoopbackTransport(d), out_type=out_type, config=config,
+             num_devices=d, name="pallas_rs_loopback")
+  return f(xs, ws)[0]

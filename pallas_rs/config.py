@@ -1,0 +1,168 @@
+"""Kernel configuration: a frozen, self-validating dataclass and the default heuristic."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Iterator
+
+from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu
+
+MatmulDimension = hopper_matmul_mgpu.MatmulDimension
+
+# `shared_memory_per_block_optin` on H100/H200 (measured: 232448 on one H200).
+SMEM_LIMIT_BYTES = 232_448
+# Barriers, semaphores and alignment slack that the estimate below does not itemise.
+SMEM_SLACK_BYTES = 2_048
+# SM count of an H100/H200 SXM: the kernel is compiled for a fixed persistent grid so that it
+# can be lowered without a GPU (jax.export from a CPU machine).
+DEFAULT_NUM_SMS = 132
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Tiling of the fused matmul + reduce-scatter kernel.
+
+  The two compute warpgroups split a CTA tile along N (`wg_dimension=N` in jax's Hopper matmul),
+  so a CTA tile is `tile_m x 2*tile_n`.
+
+  Attributes:
+    tile_m: rows of a CTA tile; the per-device chunk `m // num_devices` must be a multiple.
+    tile_n: columns per compute warpgroup; `n` must be a multiple of `2 * tile_n`.
+    tile_k: contraction block; `k_shard` must be a multiple.
+    max_concurrent_steps: TMA pipeline depth (SMEM slots for x and w blocks).
+    epi_tile_m: rows of an epilogue sub-tile (TMA store/load box).
+    epi_tile_n: columns of an epilogue sub-tile.
+    recv_stages: SMEM slots per warpgroup for prefetching received partials in the owner's
+      epilogue (only allocated when num_devices > 1).
+    grid_minor_dim: minor dimension of the snake order of tiles within a chunk.
+    grid_tile_width: width of the snake bands.
+    num_sms: CTAs of the persistent grid (all ranks together in loopback mode).
+  """
+  tile_m: int = 128
+  tile_n: int = 128
+  tile_k: int = 64
+  max_concurrent_steps: int = 3
+  epi_tile_m: int = 64
+  epi_tile_n: int = 64
+  recv_stages: int = 2
+  grid_minor_dim: MatmulDimension = MatmulDimension.N
+  grid_tile_width: int = 1
+  num_sms: int = DEFAULT_NUM_SMS
+
+  def __post_init__(self):
+    tile_m, tile_n, tile_k = self.tile_m, self.tile_n, self.tile_k
+    epi_tile_m, epi_tile_n = self.epi_tile_m, self.epi_tile_n
+    if tile_m not in (64, 128):
+      raise ValueError(f"{tile_m=} must be 64 or 128 (one wgmma row block per warpgroup)")
+    if tile_n % 8 or not 8 <= tile_n <= 256:
+      raise ValueError(f"{tile_n=} must be a multiple of 8 in [8, 256] (wgmma N)")
+    if tile_k % 64 or tile_k <= 0:
+      raise ValueError(f"{tile_k=} must be a positive multiple of 64 (128-byte bf16 swizzle)")
+    if self.max_concurrent_steps < 2:
+      raise ValueError(f"max_concurrent_steps={self.max_concurrent_steps} must be >= 2")
+    if epi_tile_m <= 0 or tile_m % epi_tile_m:
+      raise ValueError(f"{tile_m=} must be divisible by {epi_tile_m=}")
+    if epi_tile_n <= 0 or tile_n % epi_tile_n:
+      raise ValueError(f"{tile_n=} must be divisible by {epi_tile_n=}")
+    if epi_tile_n % 8:
+      raise ValueError(f"{epi_tile_n=} must be a multiple of 8 (16-byte TMA rows)")
+    if self.recv_stages < 1:
+      raise ValueError(f"recv_stages={self.recv_stages} must be >= 1")
+    if self.grid_tile_width < 1:
+      raise ValueError(f"grid_tile_width={self.grid_tile_width} must be >= 1")
+    if self.num_sms < 1:
+      raise ValueError(f"num_sms={self.num_sms} must be >= 1")
+    object.__setattr__(self, "grid_minor_dim", MatmulDimension(self.grid_minor_dim))
+
+  @property
+  def cta_tile_m(self) -> int:
+    return self.tile_m
+
+  @property
+  def cta_tile_n(self) -> int:
+    return 2 * self.tile_n
+
+  @property
+  def num_out_slots(self) -> int:
+    return min(2, (self.tile_m * self.tile_n) // (self.epi_tile_m * self.epi_tile_n))
+
+  def smem_bytes(self, num_devices: int, itemsize: int = 2) -> int:
+    """Shared memory of the kernel, as allocated by kernel.py (plus a fixed slack)."""
+    pipeline = (self.cta_tile_m + self.cta_tile_n) * self.tile_k * self.max_concurrent_steps
+    epi = self.epi_tile_m * self.epi_tile_n
+    out = 2 * self.num_out_slots * epi
+    recv = 2 * self.recv_stages * epi if num_devices > 1 else 0
+    return (pipeline + out + recv) * itemsize + SMEM_SLACK_BYTES
+
+  def fits_smem(self, num_devices: int, limit: int = SMEM_LIMIT_BYTES) -> bool:
+    return self.smem_bytes(num_devices) <= limit
+
+  def check_shape(self, *, m: int, n: int, k_shard: int, num_devices: int) -> None:
+    """Raises NotImplementedError if the kernel cannot take this (legal) problem with this config."""
+    chunk = m // num_devices
+    if chunk % self.cta_tile_m:
+      raise NotImplementedError(
+          f"m // num_devices = {m} // {num_devices} = {chunk} is not a multiple of "
+          f"tile_m={self.cta_tile_m}")
+    if n % self.cta_tile_n:
+      raise NotImplementedError(
+          f"{n=} is not a multiple of the CTA tile 2*tile_n={self.cta_tile_n}")
+    if k_shard % self.tile_k:
+      raise NotImplementedError(f"{k_shard=} is not a multiple of tile_k={self.tile_k}")
+    if not self.fits_smem(num_devices):
+      raise NotImplementedError(
+          f"config needs {self.smem_bytes(num_devices)} B of shared memory at "
+          f"{num_devices=}, over the {SMEM_LIMIT_BYTES} B limit: {self}")
+
+
+def tiles_per_chunk(config: Config, *, m: int, n: int, num_devices: int) -> int:
+  return (m // num_devices // config.cta_tile_m) * (n // config.cta_tile_n)
+
+
+def _largest_steps(base: Config, num_devices: int, upper: int = 6) -> Config:
+  for steps in range(upper, 1, -1):
+    cfg = dataclasses.replace(base, max_concurrent_steps=steps)
+    if cfg.fits_smem(num_devices):
+      return cfg
+  return dataclasses.replace(base, max_concurrent_steps=2)
+
+
+def default_config(*, m: int, n: int, k_shard: int, num_devices: int,
+                   num_sms: int = DEFAULT_NUM_SMS) -> Config:
+  """A valid config for every shape the kernel supports (heuristic, not tuned).
+
+  Raises NotImplementedError if no tiling fits the shape.
+  """
+  chunk = m // num_devices
+  tile_m = 128 if chunk % 128 == 0 else 64
+  tile_n = next((t for t in (128, 64, 32) if n % (2 * t) == 0), None)
+  tile_k = 64
+  if chunk % tile_m or tile_n is None or k_shard % tile_k:
+    raise NotImplementedError(
+        f"no kernel tiling for per-device problem m={m}, n={n}, k_shard={k_shard} at "
+        f"num_devices={num_devices}: needs m // num_devices % 64 == 0, n % 64 == 0 and "
+        f"k_shard % 64 == 0")
+  epi_tile_n = min(64, tile_n)
+  cfg = Config(tile_m=tile_m, tile_n=tile_n, tile_k=tile_k, epi_tile_m=64,
+               epi_tile_n=epi_tile_n, num_sms=num_sms)
+  cfg = _largest_steps(cfg, num_devices)
+  cfg.check_shape(m=m, n=n, k_shard=k_shard, num_devices=num_devices)
+  return cfg
+
+
+def search_space(*, m: int, n: int, k_shard: int, num_devices: int,
+                 num_sms: int = DEFAULT_NUM_SMS) -> Iterator[Config]:
+  """Every config the tuner may try for this shape: valid and within the SMEM limit."""
+  for tile_m, tile_n, steps, recv_stages, minor, width in itertools.product(
+      (64, 128), (64, 128), (2, 3, 4, 5), (1, 2, 4),
+      (MatmulDimension.N, MatmulDimension.M), (1, 4)):
+    if num_devices == 1 and recv_stages != 1:
+      continue
+    cfg = Config(tile_m=tile_m, tile_n=tile_n, tile_k=64, max_concurrent_steps=steps,
+                 epi_tile_m=64, epi_tile_n=64, recv_stages=recv_stages,
+                 grid_minor_dim=minor, grid_tile_width=width, num_sms=num_sms)
+    try:
+      cfg.check_shape(m=m, n=n, k_shard=k_shard, num_devices=num_devices)
+    except NotImplementedError:
+      continue
+    yield cfg

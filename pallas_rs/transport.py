@@ -1,0 +1,88 @@
+"""How ranks reach each other: real devices over NVLink, or virtual ranks on one GPU.
+
+Both expose the same small interface to kernel.py. Peers are always named by a *static*
+offset `o` (destination `(rank + o) % D`), because a TMA store to a peer builds its descriptor on
+the host, which can only recompute the peer id from arithmetic on `lax.axis_index`.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+from jax import lax
+
+from pallas_rs.schedule import NUM_COMPUTE_WGS
+
+
+@dataclasses.dataclass(frozen=True)
+class NVLinkTransport:
+  """One rank per device of the `axis_name` mesh axis (inside shard_map).
+
+  Kernel arguments are this device's arrays; the receive buffer is [D - 1, m // D, n]; peers'
+  buffers and semaphores are reached through collective metadata (`plgpu.remote_ref`).
+  """
+  axis_name: str
+  num_devices: int
+
+  def grid(self, num_sms: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    return (num_sms,), ("cluster_grid",)
+
+  def rank(self):
+    if self.num_devices == 1:
+      return 0
+    return lax.axis_index(self.axis_name)
+
+  def bind(self, x, w, out, recv, rank):
+    del rank
+    return x, w, out, recv
+
+  def _peer(self, rank, offset: int):
+    return lax.rem(rank + offset, self.num_devices)
+
+  def peer_recv(self, recv, rank, offset: int):
+    return plgpu.remote_ref(recv, self._peer(rank, offset))
+
+  def semaphores(self, tiles: int):
+    return pl.get_global(plgpu.SemaphoreType.REGULAR((tiles, NUM_COMPUTE_WGS)))
+
+  def signal(self, sems, rank, offset: int, tile, wg):
+    pl.semaphore_signal(sems.at[tile, wg], 1, device_id=self._peer(rank, offset))
+
+  def wait(self, sems, rank, tile, wg, value: int):
+    del rank
+    pl.semaphore_wait(sems.at[tile, wg], value, decrement=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopbackTransport:
+  """D virtual ranks on one GPU: rank r is the CTAs with grid index r along axis "rank".
+
+  Kernel arguments are stacked over ranks: x [D, m, k_shard], w [D, k_shard, n],
+  out [D, m // D, n], recv [D, D - 1, m // D, n]; semaphores are indexed by rank. All
+  `num_sms` CTAs must be resident at once (one per SM), or a rank could wait on a rank that
+  never gets scheduled: the grid is exactly `num_sms // D` CTAs per rank.
+  """
+  num_devices: int
+
+  def grid(self, num_sms: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    return (self.num_devices, num_sms // self.num_devices), ("rank", "cluster_grid")
+
+  def rank(self):
+    return lax.axis_index("rank")
+
+  def bind(self, x, w, out, recv, rank):
+    return x.at[rank], w.at[rank], out.at[rank], None if recv is None else recv.at[rank]
+
+  def peer_recv(self, recv, rank, offset: int):
+    return recv.at[lax.rem(rank + offset, self.num_devices)]
+
+  def semaphores(self, tiles: int):
+    return pl.get_global(
+        plgpu.SemaphoreType.REGULAR((self.num_devices, tiles, NUM_COMPUTE_WGS)))
+
+  def signal(self, sems, rank, offset: int, tile, wg):
+    pl.semaphore_signal(sems.at[lax.rem(rank + offset, self.num_devices), tile, wg], 1)
+
+  def wait(self, sems, rank, tile, wg, value: int):
+    pl.semaphore_wait(sems.at[rank, tile, wg], value, decrement=False)

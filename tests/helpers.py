@@ -1,0 +1,183 @@
+"""Shared test helpers: meshes, per-device inputs, tolerances, comparisons.
+
+Conventions (also used by the kernel tests):
+  * A `pallas_rs.shapes.Case` describes the global problem; `make_inputs(case)`
+    gives stacked per-device numpy arrays xs [D, m, k_shard], ws [D, k_shard, n]
+    and the matching global x [m, k], w [k, n] (x[:, d*k_shard:(d+1)*k_shard]
+    is xs[d]).
+  * Device d's data is scaled by (d + 1) / D, so a missing, duplicated or
+    swapped rank changes the result.
+  * `make_mesh(D)` uses jax.devices()[:D] in order (row-major device ids).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import ml_dtypes
+import numpy as np
+import pytest
+
+from pallas_rs import reference
+from pallas_rs import shapes
+
+AXIS = "x"
+
+# Unit roundoff (half an ulp at 1.0) of each dtype.
+UNIT_ROUNDOFF = {"bfloat16": 2.0**-8, "float32": 2.0**-24}
+
+
+def np_dtype(dtype) -> np.dtype:
+  """numpy dtype for a name ("bfloat16" uses ml_dtypes)."""
+  return np.dtype(ml_dtypes.bfloat16 if str(dtype) == "bfloat16" else dtype)
+
+
+def hopper_devices() -> list:
+  """Local Hopper (compute capability 9.x) GPUs, or [] (no GPU backend)."""
+  try:
+    devices = jax.devices("gpu")
+  except RuntimeError:
+    return []
+  return [d for d in devices
+          if str(getattr(d, "compute_capability", "")).startswith("9.")]
+
+
+def make_mesh(num_devices: int, axis_name: str = AXIS, devices=None
+              ) -> jax.sharding.Mesh:
+  """1-D mesh over the first `num_devices` devices; skips the test if too few."""
+  devices = list(jax.devices() if devices is None else devices)
+  if len(devices) < num_devices:
+    pytest.skip(f"needs {num_devices} devices, have {len(devices)} "
+                f"{devices[0].platform} (JAX_PLATFORMS=cpu forces 8 host devices)")
+  return jax.make_mesh((num_devices,), (axis_name,),
+                       axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=devices[:num_devices])
+
+
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+  """Stacked per-device operands (numpy, in the case's dtype) and global views.
+
+  Attributes:
+    xs: [D, m, k_shard], device d's x.
+    ws: [D, k_shard, n], device d's w.
+    x: [m, k] global activations (xs concatenated along k).
+    w: [k, n] global weight (ws concatenated along k).
+  """
+  xs: np.ndarray
+  ws: np.ndarray
+  x: np.ndarray
+  w: np.ndarray
+
+
+def make_inputs(case: shapes.Case, seed: int = 0) -> Inputs:
+  """Fresh random inputs for `case`, distinct per device, outputs of order 1."""
+  rng = np.random.default_rng(seed)
+  d, m, n, ks = case.num_devices, case.m, case.n, case.k_shard
+  scale = ((np.arange(d) + 1) / d)[:, None, None]
+  xs = rng.standard_normal((d, m, ks)) * scale
+  ws = rng.standard_normal((d, ks, n)) / np.sqrt(case.k)
+  dtype = np_dtype(case.dtype)
+  xs, ws = xs.astype(dtype), ws.astype(dtype)
+  x = np.concatenate(list(xs), axis=1)
+  w = np.concatenate(list(ws), axis=0)
+  return Inputs(xs=xs, ws=ws, x=x, w=w)
+
+
+def random_per_device(shape, num_devices: int, dtype, seed: int) -> np.ndarray:
+  """[D, *shape] normals scaled by (d + 1) / D (e.g. cotangents dy)."""
+  rng = np.random.default_rng(seed)
+  scale = ((np.arange(num_devices) + 1) / num_devices).reshape(
+      (num_devices,) + (1,) * len(shape))
+  return (rng.standard_normal((num_devices, *shape)) * scale).astype(
+      np_dtype(dtype))
+
+
+def reference_output(inputs: Inputs, scatter_dimension: int = 0) -> np.ndarray:
+  """float64 per-device expected outputs [D, ...] (see reference.numpy_reference)."""
+  return reference.numpy_reference(inputs.xs, inputs.ws, scatter_dimension)
+
+
+def shard_spec(scatter_dimension: int, axis_name: str = AXIS) -> P:
+  return P(axis_name, None) if scatter_dimension == 0 else P(None, axis_name)
+
+
+def put_operands(inputs: Inputs, mesh, axis_name: str = AXIS):
+  """Global x, w on `mesh`, sharded P(None, axis), P(axis, None)."""
+  x = jax.device_put(inputs.x, NamedSharding(mesh, P(None, axis_name)))
+  w = jax.device_put(inputs.w, NamedSharding(mesh, P(axis_name, None)))
+  return x, w
+
+
+@functools.lru_cache(maxsize=None)
+def shard_mapped(fn, mesh, axis_name: str = AXIS, scatter_dimension: int = 0):
+  """jit(shard_map(fn)) for a per-device `fn(x, w) -> out` (cached).
+
+  In specs P(None, axis), P(axis, None); out spec along `scatter_dimension`.
+  `fn` must be hashable (a module-level function or functools.partial).
+  """
+  return jax.jit(jax.shard_map(
+      fn, mesh=mesh, in_specs=(P(None, axis_name), P(axis_name, None)),
+      out_specs=shard_spec(scatter_dimension, axis_name), check_vma=False))
+
+
+def per_device_shards(out: jax.Array, mesh) -> np.ndarray:
+  """[D, ...] numpy stack of `out`'s shards, in mesh device order.
+
+  shards[i] is the block held by mesh.devices[i]; comparing it with the
+  reference's row i checks that chunk i landed on device i.
+  """
+  by_device = {s.device: s for s in out.addressable_shards}
+  return np.stack([np.asarray(by_device[dev].data)
+                   for dev in mesh.devices.flat])
+
+
+def forward_tolerance(dtype, num_devices: int) -> float:
+  """Allowed max|out - ref| / max|ref| of the forward pass.
+
+  The XLA path rounds each device's fp32 partial product to `dtype`, then adds
+  the D partials, possibly rounding after each addition (NCCL does): D + 1
+  roundings of at most u (unit roundoff) relative each. With `make_inputs`'
+  data every partial and partial sum is at most about max|ref|, so
+  (D + 1) * u bounds the normwise error; measured errors are 0.1-0.4 of it,
+  and a wrong chunk, rank or scaling is an O(1) error. f32 adds the error of
+  the k_shard-long fp32 accumulation, covered by a floor of 1e-5.
+  """
+  u = UNIT_ROUNDOFF[str(dtype)]
+  return max((num_devices + 1) * u, 1e-5)
+
+
+def grad_tolerance(dtype) -> float:
+  """Allowed normwise error of dx and dw against a float64 analytic reference.
+
+  Each gradient is one matmul accumulated in fp32 and rounded once to `dtype`
+  (dy is exact: it is an input): error <= u * |g| + fp32 accumulation, so
+  2 * u (one ulp) normwise, with a floor of 1e-5 for f32.
+  """
+  return max(2 * UNIT_ROUNDOFF[str(dtype)], 1e-5)
+
+
+def assert_close(out, ref, *, tol: float, name: str = "") -> None:
+  """Asserts max|out - ref| <= tol * max|ref|, element by element.
+
+  On failure reports the normwise max and RMS relative errors and the first
+  mismatched coordinates.
+  """
+  out64 = np.asarray(out).astype(np.float64)
+  ref64 = np.asarray(ref).astype(np.float64)
+  assert out64.shape == ref64.shape, (name, out64.shape, ref64.shape)
+  scale = float(np.max(np.abs(ref64), initial=0.0)) or 1.0
+  err = np.abs(out64 - ref64)
+  bad = np.argwhere(err > tol * scale)
+  if bad.size:
+    rms = float(np.sqrt(np.mean(err**2))) / scale
+    first = [(tuple(int(i) for i in idx), float(out64[tuple(idx)]),
+              float(ref64[tuple(idx)])) for idx in bad[:5]]
+    raise AssertionError(
+        f"{name}: {len(bad)}/{err.size} elements off by more than "
+        f"{tol=} * max|ref|={scale:.4g}; max rel err="
+        f"{float(err.max()) / scale:.3g}, rms rel err={rms:.3g}; first "
+        f"(index, out, ref): {first}")

@@ -1,0 +1,266 @@
+"""Forward pass, dispatch and validation of pallas_rs.matmul_reduce_scatter (CPU)."""
+import functools
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import helpers
+import pallas_rs
+from pallas_rs import api
+from pallas_rs import reference
+from pallas_rs import shapes
+
+AXIS = helpers.AXIS
+CI = shapes.select("ci")
+
+
+def _seed(*parts) -> int:
+  return zlib.crc32(repr(parts).encode())
+
+
+def _dim1_ok(case):
+  return case.n % case.num_devices == 0
+
+
+@pytest.mark.parametrize(
+    "case,scatter_dimension,implementation",
+    [pytest.param(c, 0, impl, id=f"{c.name}-dim0-{impl}")
+     for c in CI for impl in ("xla", "auto")]
+    + [pytest.param(c, 1, "xla", id=f"{c.name}-dim1-xla")
+       for c in CI if _dim1_ok(c)])
+def test_forward_matches_numpy(case, scatter_dimension, implementation):
+  mesh = helpers.make_mesh(case.num_devices)
+  tol = helpers.forward_tolerance(case.dtype, case.num_devices)
+  # Two calls with fresh inputs: a stale buffer or semaphore would show here.
+  for call in range(2):
+    inputs = helpers.make_inputs(case, seed=_seed(case.name, call))
+    x, w = helpers.put_operands(inputs, mesh)
+    out = pallas_rs.row_parallel_matmul(
+        x, w, mesh=mesh, axis_name=AXIS, scatter_dimension=scatter_dimension,
+        implementation=implementation)
+    assert out.dtype == np.dtype(helpers.np_dtype(case.dtype))
+    ref = helpers.reference_output(inputs, scatter_dimension)
+    # Shard i, as held by mesh device i, is chunk i of the reference.
+    shards = helpers.per_device_shards(out, mesh)
+    helpers.assert_close(shards, ref, tol=tol, name=f"{case.name} call {call}")
+    if implementation != "xla":
+      # Seed correctness rule: at most 1.1x the error of the XLA path.
+      xla = pallas_rs.row_parallel_matmul(
+          x, w, mesh=mesh, axis_name=AXIS, scatter_dimension=scatter_dimension,
+          implementation="xla")
+      err_xla = reference.max_rel_error(helpers.per_device_shards(xla, mesh), ref)
+      err = reference.max_rel_error(shards, ref)
+      assert err <= 1.1 * err_xla + 1e-7, (err, err_xla)
+
+
+def test_exact_with_small_integers():
+  # Small integers make every product and sum exact in bf16: atol = 0.
+  case = shapes.by_name("ci_n96_d4")
+  mesh = helpers.make_mesh(case.num_devices)
+  rng = np.random.default_rng(0)
+  inputs = helpers.make_inputs(case)
+  xs = rng.integers(-2, 3, inputs.xs.shape).astype(inputs.xs.dtype)
+  ws = rng.integers(-1, 2, inputs.ws.shape).astype(inputs.ws.dtype)
+  xs *= (np.arange(case.num_devices) + 1)[:, None, None].astype(xs.dtype)
+  inputs = helpers.Inputs(xs=xs, ws=ws, x=np.concatenate(list(xs), 1),
+                          w=np.concatenate(list(ws), 0))
+  x, w = helpers.put_operands(inputs, mesh)
+  out = pallas_rs.row_parallel_matmul(x, w, mesh=mesh, axis_name=AXIS)
+  np.testing.assert_array_equal(
+      helpers.per_device_shards(out, mesh).astype(np.float64),
+      helpers.reference_output(inputs))
+
+
+def test_negative_scatter_dimension_aliases():
+  case = shapes.by_name("ci_n96_d4")
+  mesh = helpers.make_mesh(case.num_devices)
+  x, w = helpers.put_operands(helpers.make_inputs(case), mesh)
+  for neg, pos in ((-2, 0), (-1, 1)):
+    a = pallas_rs.row_parallel_matmul(x, w, mesh=mesh, axis_name=AXIS,
+                                      scatter_dimension=neg)
+    b = pallas_rs.row_parallel_matmul(x, w, mesh=mesh, axis_name=AXIS,
+                                      scatter_dimension=pos)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert a.sharding.spec == b.sharding.spec
+
+
+def test_explicit_mesh_and_unsharded_inputs():
+  case = shapes.by_name("ci_n320_d2")
+  mesh = jax.make_mesh((2,), (AXIS,), devices=jax.devices()[:2],
+                       axis_types=(jax.sharding.AxisType.Explicit,))
+  inputs = helpers.make_inputs(case)
+  out = pallas_rs.row_parallel_matmul(jnp.asarray(inputs.x),
+                                      jnp.asarray(inputs.w), mesh=mesh,
+                                      axis_name=AXIS)
+  helpers.assert_close(np.asarray(out).reshape(helpers.reference_output(
+      inputs).shape), helpers.reference_output(inputs),
+                       tol=helpers.forward_tolerance(case.dtype, 2))
+
+
+# --- dispatch -----------------------------------------------------------------
+
+
+def _call_fn(implementation, scatter_dimension=0):
+  return functools.partial(pallas_rs.matmul_reduce_scatter, axis_name=AXIS,
+                           implementation=implementation,
+                           scatter_dimension=scatter_dimension)
+
+
+@pytest.mark.skipif(api._on_hopper(), reason="checks the CPU fallback")
+def test_auto_on_cpu_uses_xla_and_logs_once_at_info(monkeypatch):
+  logged = []
+  monkeypatch.setattr(api.logging, "info", lambda *a: logged.append(("i", a)))
+  monkeypatch.setattr(api.logging, "warning", lambda *a: logged.append(("w", a)))
+  api.reset_fallback_log()
+  case = shapes.by_name("ci_min_m_d8")
+  mesh = helpers.make_mesh(case.num_devices)
+  x, w = helpers.put_operands(helpers.make_inputs(case), mesh)
+  auto = helpers.shard_mapped(_call_fn("auto"), mesh)(x, w)
+  # A different shape retraces; the reason is the same, so no second log.
+  case2 = shapes.by_name("ci_llama70b_o_proj_d8")
+  x2, w2 = helpers.put_operands(helpers.make_inputs(case2), mesh)
+  helpers.shard_mapped(_call_fn("auto"), mesh)(x2, w2)
+  xla = helpers.shard_mapped(_call_fn("xla"), mesh)(x, w)
+  np.testing.assert_array_equal(np.asarray(auto), np.asarray(xla))
+  assert len(logged) == 1, logged
+  level, args = logged[0]
+  assert level == "i" and "platform='cpu'" in args[1], logged
+
+
+def test_choose_implementation_on_cpu():
+  kw = dict(m=64, k_shard=64, n=128, dtype=jnp.bfloat16, num_devices=8,
+            config=None)
+  assert api._choose_implementation(**kw, scatter_dimension=0,
+                                    implementation="xla") == ("xla", None, None)
+  assert api._choose_implementation(**kw, scatter_dimension=0,
+                                    implementation="fused") == ("fused", None,
+                                                                None)
+  impl, _, reason = api._choose_implementation(**kw, scatter_dimension=1,
+                                               implementation="auto")
+  assert impl == "xla" and "scatter_dimension=1" in reason
+  with pytest.raises(NotImplementedError, match="scatter_dimension=1"):
+    api._choose_implementation(**kw, scatter_dimension=1,
+                               implementation="fused")
+
+
+def test_auto_on_hopper_falls_back_once_per_reason(monkeypatch):
+  from pallas_rs import fused  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(api, "_on_hopper", lambda: True)
+  logged = []
+  monkeypatch.setattr(api.logging, "info", lambda *a: logged.append(a))
+  monkeypatch.setattr(api.logging, "warning", lambda *a: logged.append(a))
+  api.reset_fallback_log()
+  reasons = iter(["reason A", "reason A", "reason B"])
+
+  def not_supported(**kw):
+    assert set(kw) == {"m", "k_shard", "n", "dtype", "num_devices", "config"}
+    raise NotImplementedError(next(reasons))
+
+  monkeypatch.setattr(fused, "check_supported", not_supported)
+  kw = dict(m=64, k_shard=64, n=128, dtype=jnp.bfloat16, num_devices=8,
+            config=None, scatter_dimension=0, implementation="auto")
+  for _ in range(3):
+    impl, _, reason = api._choose_implementation(**kw)
+    assert impl == "xla"
+    api._log_fallback_once(reason)
+  assert [a[1] for a in logged] == ["reason A", "reason B"]
+
+  monkeypatch.setattr(fused, "check_supported", lambda **kw: None)
+  assert api._choose_implementation(**kw) == ("fused", None, None)
+
+  def bad(**kw):
+    raise ValueError("tile_m=64 must divide m=100")
+
+  monkeypatch.setattr(fused, "check_supported", bad)
+  with pytest.raises(ValueError, match="tile_m=64"):
+    api._choose_implementation(**kw)
+
+
+def test_fused_call_on_cpu_raises():
+  # Today: NotImplementedError from the placeholder pallas_rs.fused. Once the
+  # kernel lands it lowers on CPU but cannot run there, so running it raises
+  # either NotImplementedError (a check_supported-style guard) or an XLA/Mosaic
+  # runtime error (JaxRuntimeError). Lowering alone is tested by
+  # tests/test_lowering.py, not here.
+  if helpers.hopper_devices():
+    pytest.skip("checks the CPU-only behaviour")
+  case = shapes.by_name("ci_min_m_d2")
+  mesh = helpers.make_mesh(case.num_devices)
+  x, w = helpers.put_operands(helpers.make_inputs(case), mesh)
+  with pytest.raises((NotImplementedError, jax.errors.JaxRuntimeError)):
+    jax.block_until_ready(
+        helpers.shard_mapped(_call_fn("fused"), mesh)(x, w))
+
+
+def test_fused_scatter_dimension_1_not_implemented():
+  case = shapes.by_name("ci_min_m_d2")
+  mesh = helpers.make_mesh(case.num_devices)
+  x, w = helpers.put_operands(helpers.make_inputs(case), mesh)
+  with pytest.raises(NotImplementedError, match="scatter_dimension=1"):
+    pallas_rs.row_parallel_matmul(x, w, mesh=mesh, axis_name=AXIS,
+                                  scatter_dimension=1, implementation="fused")
+
+
+# --- validation ---------------------------------------------------------------
+
+_M, _KS, _N = 8, 16, 24  # Per-device shapes of the validation cases (D = 4).
+
+
+@pytest.mark.parametrize("x_shape,w_shape,dtypes,kw,match", [
+    ((_M, _KS, 1), (_KS, _N), None, {}, r"rank 2.*x.shape=\(8, 16, 1\)"),
+    ((_M, _KS), (_N,), None, {}, r"rank 2.*w.shape=\(24,\)"),
+    ((_M, _KS), (_KS + 1, _N), None, {},
+     r"contraction dimensions differ: x.shape=\(8, 16\) w.shape=\(17, 24\)"),
+    ((_M, _KS), (_KS, _N), ("bfloat16", "float32"), {},
+     r"same dtype.*x.dtype=dtype\(bfloat16\).*w.dtype=dtype\('float32'\)"),
+    ((_M, _KS), (_KS, _N), ("int32", "int32"), {}, r"floating point.*int32"),
+    ((6, _KS), (_KS, _N), None, {},
+     r"m=6 must be divisible by the size of axis_name='x' \(num_devices=4\)"),
+    ((_M, _KS), (_KS, 30), None, {"scatter_dimension": 1},
+     r"n=30 must be divisible.*num_devices=4.*scatter_dimension=1"),
+    ((_M, _KS), (_KS, _N), None, {"axis_name": "y"},
+     r"unknown axis_name='y'.*inside jax.shard_map"),
+    ((_M, _KS), (_KS, _N), None, {"scatter_dimension": 2},
+     r"scatter_dimension=2 must be 0 \(rows\) or 1"),
+    ((_M, _KS), (_KS, _N), None, {"implementation": "triton"},
+     r"implementation='triton' must be one of \('auto', 'fused', 'xla'\)"),
+], ids=["x_rank", "w_rank", "k_mismatch", "dtype_mismatch", "int_dtype",
+        "m_indivisible", "n_indivisible_dim1", "unknown_axis", "bad_scatter_dim",
+        "bad_implementation"])
+def test_validation_errors(x_shape, w_shape, dtypes, kw, match):
+  mesh = helpers.make_mesh(4)
+  x_dtype, w_dtype = dtypes or ("bfloat16", "bfloat16")
+  x = jnp.zeros(x_shape, helpers.np_dtype(x_dtype))
+  w = jnp.zeros(w_shape, helpers.np_dtype(w_dtype))
+  kw = {"axis_name": AXIS, **kw}
+
+  def body(x, w):
+    return pallas_rs.matmul_reduce_scatter(x, w, **kw)
+
+  # Validation runs at trace time: no compilation needed.
+  with pytest.raises(ValueError, match=match):
+    jax.eval_shape(jax.shard_map(body, mesh=mesh, in_specs=jax.P(),
+                                 out_specs=jax.P(), check_vma=False), x, w)
+
+
+def test_unknown_axis_outside_shard_map():
+  with pytest.raises(ValueError, match=r"unknown axis_name='x'"):
+    pallas_rs.matmul_reduce_scatter(jnp.zeros((8, 8)), jnp.zeros((8, 8)),
+                                    axis_name="x")
+
+
+@pytest.mark.parametrize("x_shape,w_shape,axis_name,match", [
+    ((8, 16), (16, 8), "model",
+     r"axis_name='model' is not an axis of the mesh.*\('x',\)"),
+    ((8, 16), (16,), AXIS, r"rank 2.*\(16,\)"),
+    ((8, 16), (12, 8), AXIS, r"contraction dimensions differ"),
+    ((8, 18), (18, 8), AXIS, r"k=18 must be divisible.*num_devices=4"),
+])
+def test_row_parallel_validation(x_shape, w_shape, axis_name, match):
+  mesh = helpers.make_mesh(4)
+  with pytest.raises(ValueError, match=match):
+    pallas_rs.row_parallel_matmul(jnp.zeros(x_shape), jnp.zeros(w_shape),
+                                  mesh=mesh, axis_name=axis_name)
