@@ -92,7 +92,8 @@ def _choose_implementation(*, m: int, k_shard: int, n: int, dtype,
   """Resolves `implementation` to ("fused" | "xla", config, fallback reason).
 
   The reason is None unless "auto" fell back to XLA. ValueError from the fused
-  kernel's checks propagates; NotImplementedError means "fall back".
+  kernel's checks propagates; NotImplementedError means "fall back". For
+  "fused" the config is passed through unchanged (the kernel resolves None).
   """
   if implementation == "xla":
     return "xla", config, None
@@ -113,11 +114,12 @@ def _choose_implementation(*, m: int, k_shard: int, n: int, dtype,
         f"process_count={jax.process_count()}")
   from pallas_rs import fused  # pylint: disable=g-import-not-at-top
   try:
-    fused.check_supported(m=m, k_shard=k_shard, n=n, dtype=dtype,
-                          num_devices=num_devices, config=config)
+    chosen = fused.check_supported(m=m, k_shard=k_shard, n=n, dtype=dtype,
+                                   num_devices=num_devices, config=config)
   except NotImplementedError as e:
     return "xla", config, str(e)
-  return "fused", config, None
+  # check_supported returns the config it would use (its default if None).
+  return "fused", config if chosen is None else chosen, None
 
 
 def matmul_reduce_scatter(x: jax.Array, w: jax.Array, *, axis_name,

@@ -4,7 +4,8 @@ A `Case` is a global problem: x [m, k], w [k, n] over `num_devices` devices
 (per device x [m, k_shard], w [k_shard, n]). Tags select subsets: "seed" (the
 16 design shapes at D = 8), "ci" (small CPU cases), model tags ("llama70b",
 "mixtral8x22b"), projection tags ("o_proj", "down_proj", "w2"), dtype tags
-("bf16", "f32") and "awkward" (non-power-of-two n, m = num_devices).
+("bf16", "f32"), "awkward" (non-power-of-two n, m = num_devices) and
+"min_tile" (m = num_devices * 64: the smallest shapes the fused kernel takes).
 """
 from __future__ import annotations
 
@@ -99,6 +100,10 @@ CI_CASES: tuple[Case, ...] = (
     _ci("n100_d8", 16, 100, 192, 8, "bfloat16", "awkward", "n_indivisible"),
     _ci("min_m_d8", 8, 128, 256, 8, "bfloat16", "awkward", "min_m"),
     _ci("min_m_d2", 2, 64, 64, 2, "bfloat16", "awkward", "min_m"),
+    # m = num_devices * tile_m (tile_m = 64), n and k_shard one or two tiles:
+    # the smallest shapes the fused kernel accepts.
+    _ci("min_tile_d8", 512, 128, 512, 8, "bfloat16", "min_tile"),
+    _ci("min_tile_d2", 128, 256, 128, 2, "bfloat16", "min_tile"),
     _ci("f32_d8", 64, 256, 512, 8, "float32"),
     _ci("f32_n96_d4", 16, 96, 128, 4, "float32", "awkward"),
     _ci("f32_min_m_d2", 2, 320, 64, 2, "float32", "awkward", "min_m"),

@@ -72,7 +72,8 @@ class Timing:
     iterations: number of timed iterations.
     warmup: number of untimed calls after compilation.
     compile_s: seconds spent lowering + compiling (None if given compiled).
-    host_batch_us: wall clock of `iterations` back-to-back calls / iterations.
+    host_batch_us: wall clock of `iterations` back-to-back calls / iterations
+      (CUPTI timer only: a cross-check of the step time).
     kernels: kernel name -> launches per iteration, median and max us.
     notes: caveats that apply to these numbers.
   """
@@ -157,15 +158,16 @@ def time_function(fn: Callable[..., Any], args: Sequence[Any], *,
   compiled, compile_s = compile_function(fn, args)
   for _ in range(warmup):
     jax.block_until_ready(compiled(*args))
-  host_batch_us = _host_batch_us(compiled, args, iterations)
   if timer == "host_wall_clock":
+    # No back-to-back batch here: on CPU, many in-flight calls with
+    # collectives starve the host devices' rendezvous (XLA aborts after 40 s).
     times = _host_times_us(compiled, args, iterations)
     return Timing(
         timer=timer, times_us=times, times_min_us=None,
         rule=("host wall clock per call incl. dispatch, block_until_ready on "
               "all outputs (all devices): no performance claims"),
-        iterations=iterations, warmup=warmup, compile_s=compile_s,
-        host_batch_us=host_batch_us)
+        iterations=iterations, warmup=warmup, compile_s=compile_s)
+  host_batch_us = _host_batch_us(compiled, args, iterations)
   per_iter, notes = _cupti_kernels(compiled, args, iterations)
   timing = kernels_to_timing(per_iter, num_devices)
   timing.iterations, timing.warmup = iterations, warmup

@@ -123,6 +123,10 @@ def test_auto_on_cpu_uses_xla_and_logs_once_at_info(monkeypatch):
   case2 = shapes.by_name("ci_llama70b_o_proj_d8")
   x2, w2 = helpers.put_operands(helpers.make_inputs(case2), mesh)
   helpers.shard_mapped(_call_fn("auto"), mesh)(x2, w2)
+  # A shape the fused kernel would take still uses XLA off Hopper.
+  case3 = shapes.by_name("ci_min_tile_d8")
+  x3, w3 = helpers.put_operands(helpers.make_inputs(case3), mesh)
+  helpers.shard_mapped(_call_fn("auto"), mesh)(x3, w3)
   xla = helpers.shard_mapped(_call_fn("xla"), mesh)(x, w)
   np.testing.assert_array_equal(np.asarray(auto), np.asarray(xla))
   assert len(logged) == 1, logged
@@ -168,8 +172,8 @@ def test_auto_on_hopper_falls_back_once_per_reason(monkeypatch):
     api._log_fallback_once(reason)
   assert [a[1] for a in logged] == ["reason A", "reason B"]
 
-  monkeypatch.setattr(fused, "check_supported", lambda **kw: None)
-  assert api._choose_implementation(**kw) == ("fused", None, None)
+  monkeypatch.setattr(fused, "check_supported", lambda **kw: "chosen config")
+  assert api._choose_implementation(**kw) == ("fused", "chosen config", None)
 
   def bad(**kw):
     raise ValueError("tile_m=64 must divide m=100")
@@ -179,18 +183,24 @@ def test_auto_on_hopper_falls_back_once_per_reason(monkeypatch):
     api._choose_implementation(**kw)
 
 
-def test_fused_call_on_cpu_raises():
-  # Today: NotImplementedError from the placeholder pallas_rs.fused. Once the
-  # kernel lands it lowers on CPU but cannot run there, so running it raises
-  # either NotImplementedError (a check_supported-style guard) or an XLA/Mosaic
-  # runtime error (JaxRuntimeError). Lowering alone is tested by
-  # tests/test_lowering.py, not here.
+@pytest.mark.parametrize("case_name,errors,match", [
+    # Shape the kernel cannot tile: NotImplementedError from
+    # pallas_rs.fused.check_supported, before anything is lowered.
+    ("ci_min_m_d2", NotImplementedError, None),
+    # Shape the kernel takes: Pallas refuses to lower a Mosaic GPU kernel for
+    # the CPU backend (ValueError "Only interpret mode is supported on CPU
+    # backend"); a runtime failure would be a JaxRuntimeError.
+    ("ci_min_tile_d2", (ValueError, jax.errors.JaxRuntimeError), None),
+])
+def test_fused_call_on_cpu_raises(case_name, errors, match):
+  # Running, not lowering: lowering for CUDA from a CPU machine is
+  # tests/test_lowering.py's job.
   if helpers.hopper_devices():
     pytest.skip("checks the CPU-only behaviour")
-  case = shapes.by_name("ci_min_m_d2")
+  case = shapes.by_name(case_name)
   mesh = helpers.make_mesh(case.num_devices)
   x, w = helpers.put_operands(helpers.make_inputs(case), mesh)
-  with pytest.raises((NotImplementedError, jax.errors.JaxRuntimeError)):
+  with pytest.raises(errors, match=match):
     jax.block_until_ready(
         helpers.shard_mapped(_call_fn("fused"), mesh)(x, w))
 

@@ -142,7 +142,7 @@ def test_grad_inside_jit_of_row_parallel_matmul():
     helpers.assert_close(g, g_ref, tol=1e-5, name="grad")
 
 
-def _mlp_loss(h, w1, w2, *, op, check_vma):
+def _mlp_loss(h, w1, w2, *, op, mesh, check_vma):
   """Sequence-parallel MLP: h [m, d_model] sharded by rows.
 
   Layer 1 is column-parallel on the all-gathered input, layer 2 row-parallel
@@ -156,7 +156,6 @@ def _mlp_loss(h, w1, w2, *, op, check_vma):
     out = op(a, w2, axis_name=AXIS)  # [m // D, d_model]
     return lax.psum(jnp.sum(out.astype(jnp.float32) ** 2), AXIS)
 
-  mesh = jax.sharding.get_abstract_mesh()
   return jax.shard_map(body, mesh=mesh,
                        in_specs=(P(AXIS, None), P(None, AXIS), P(AXIS, None)),
                        out_specs=P(), check_vma=check_vma)(h, w1, w2)
@@ -174,9 +173,8 @@ def test_mlp_gradient_matches_xla_only(dtype, check_vma):
   w2 = (rng.standard_normal((d_ff, d_model)) / np.sqrt(d_ff)).astype(np_dt)
 
   def grads(op):
-    loss = functools.partial(_mlp_loss, op=op, check_vma=check_vma)
-    with jax.sharding.use_mesh(mesh):
-      return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(h, w1, w2)
+    loss = functools.partial(_mlp_loss, op=op, mesh=mesh, check_vma=check_vma)
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(h, w1, w2)
 
   value, g = grads(pallas_rs.matmul_reduce_scatter)
   value_ref, g_ref = grads(reference.matmul_reduce_scatter)

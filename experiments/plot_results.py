@@ -1,0 +1,174 @@
+r"""Plots from matmul_rs_bench.py JSON results (matplotlib, Agg backend).
+
+  python experiments/plot_results.py \
+      --results='experiments/results/multi_gpu_*.json' --out_dir=experiments/plots
+
+Per results file `<stem>.json`, writes to --out_dir:
+  multi_gpu / smoke:
+    <stem>_efficiency.png  E per shape and implementation, with the 0.9 target.
+    <stem>_times.png       T_gemm, T_comm, T_seq, T_fused (each implementation)
+                           and the ideal max(T_gemm, T_comm) per shape.
+  single_gpu:
+    <stem>_local_ratio.png T_fused / T_xla of the D = 1 GEMM per shape.
+    <stem>_loopback.png    loopback GEMM-only, reference and fused times.
+Plots of host-wall-clock (smoke) results are titled "NO PERFORMANCE CLAIMS".
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+import glob
+import json
+import os
+from pathlib import Path
+
+from absl import app
+from absl import flags
+from absl import logging
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top,wrong-import-position
+import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("results", "experiments/results/*.json",
+                    "Glob of results JSON files.")
+flags.DEFINE_string("out_dir", "experiments/plots", "Where PNGs go.")
+flags.DEFINE_float("target", 0.9, "The overlap-efficiency target line.")
+
+BASELINES = ("gemm", "comm", "seq")
+
+
+def _median(record):
+  if record.get("status") != "ok" or not record.get("timing"):
+    return None
+  return record["timing"]["stats"]["median"]
+
+
+def _by_shape(records):
+  shapes: dict[str, dict[str, dict]] = {}
+  for r in records:
+    shapes.setdefault(r["shape"]["name"], {})[r["implementation"]] = r
+  return shapes
+
+
+def _title(doc, what):
+  env = doc.get("environment", {})
+  claims = "" if doc.get("performance_claims") else "  [NO PERFORMANCE CLAIMS]"
+  return (f"{what} - {doc.get('mode')} {env.get('device_kind')} "
+          f"x{env.get('device_count')} ({doc.get('timer')}){claims}")
+
+
+def _bar_groups(ax, labels, series: dict[str, list], ylabel):
+  x = np.arange(len(labels))
+  width = 0.8 / max(len(series), 1)
+  for i, (name, values) in enumerate(series.items()):
+    vals = [np.nan if v is None else v for v in values]
+    ax.bar(x + (i - (len(series) - 1) / 2) * width, vals, width, label=name)
+  ax.set_xticks(x)
+  ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=7)
+  ax.set_ylabel(ylabel)
+  ax.legend(fontsize=7)
+
+
+def plot_sharded(doc, stem: str, out_dir: Path) -> list[Path]:
+  """E per shape with the target line; time breakdown per shape."""
+  shapes = _by_shape(doc["records"])
+  labels = list(shapes)
+  impls = sorted({i for recs in shapes.values() for i in recs
+                  if i not in BASELINES})
+  written = []
+  fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(labels) + 3), 4.5))
+  series = {i: [(shapes[s].get(i, {}).get("metrics") or {}).get(
+      "overlap_efficiency") for s in labels] for i in impls}
+  _bar_groups(ax, labels, series, "overlap efficiency E")
+  ax.axhline(FLAGS.target, color="red", linestyle="--", linewidth=1,
+             label=f"target {FLAGS.target}")
+  ax.axhline(0.0, color="black", linewidth=0.5)
+  ax.legend(fontsize=7)
+  ax.set_title(_title(doc, "E = (T_gemm + T_comm - T_fused) / min"),
+               fontsize=8)
+  fig.tight_layout()
+  path = out_dir / f"{stem}_efficiency.png"
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  written.append(path)
+
+  fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(labels) + 3), 4.5))
+  series = {f"T_{b}": [_median(shapes[s].get(b, {})) for s in labels]
+            for b in BASELINES}
+  for i in impls:
+    series[f"T_{i}"] = [_median(shapes[s].get(i, {})) for s in labels]
+  ideal = []
+  for s in labels:
+    g, c = _median(shapes[s].get("gemm", {})), _median(shapes[s].get("comm", {}))
+    ideal.append(max(g, c) if g is not None and c is not None else None)
+  series["ideal max(T_gemm, T_comm)"] = ideal
+  _bar_groups(ax, labels, series, "median time (us)")
+  ax.set_yscale("log")
+  ax.set_title(_title(doc, "time breakdown"), fontsize=8)
+  fig.tight_layout()
+  path = out_dir / f"{stem}_times.png"
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  written.append(path)
+  return written
+
+
+def plot_single_gpu(doc, stem: str, out_dir: Path) -> list[Path]:
+  """D = 1 fused/XLA ratio per shape; loopback times per shape."""
+  shapes = _by_shape(doc["records"])
+  written = []
+  local = [s for s, recs in shapes.items() if "local_xla" in recs]
+  if local:
+    fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(local) + 3), 4.5))
+    ratios = [(shapes[s].get("local_fused", {}).get("metrics") or {}).get(
+        "fused_over_xla") for s in local]
+    _bar_groups(ax, local, {"T_fused / T_xla (D = 1)": ratios}, "ratio")
+    ax.axhline(1.0, color="red", linestyle="--", linewidth=1)
+    ax.set_title(_title(doc, "D = 1 GEMM: fused kernel / XLA dot"), fontsize=8)
+    fig.tight_layout()
+    path = out_dir / f"{stem}_local_ratio.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    written.append(path)
+  loop = [s for s, recs in shapes.items() if "loopback_reference" in recs]
+  if loop:
+    fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(loop) + 3), 4.5))
+    series = {i: [_median(shapes[s].get(i, {})) for s in loop]
+              for i in ("loopback_gemm", "loopback_reference", "loopback_fused")}
+    _bar_groups(ax, loop, series, "median time (us)")
+    ax.set_yscale("log")
+    ax.set_title(_title(doc, "loopback (D virtual ranks on one GPU)"),
+                 fontsize=8)
+    fig.tight_layout()
+    path = out_dir / f"{stem}_loopback.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    written.append(path)
+  return written
+
+
+def plot_file(path: Path, out_dir: Path) -> list[Path]:
+  doc = json.loads(path.read_text())
+  if doc.get("mode") == "single_gpu":
+    return plot_single_gpu(doc, path.stem, out_dir)
+  return plot_sharded(doc, path.stem, out_dir)
+
+
+def main(argv: Sequence[str]) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  paths = sorted(glob.glob(FLAGS.results))
+  if not paths:
+    raise app.UsageError(f"no results match --results={FLAGS.results!r}")
+  out_dir = Path(FLAGS.out_dir)
+  os.makedirs(out_dir, exist_ok=True)
+  for p in paths:
+    for written in plot_file(Path(p), out_dir):
+      logging.info("wrote %s", written)
+      print(f"wrote {written}")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,238 @@
+"""experiments/matmul_rs_bench.py on CPU: flags, schema, smoke end to end."""
+import copy
+import importlib.util
+import json
+import os
+from pathlib import Path
+import subprocess
+import sys
+
+from absl import app
+from absl import flags
+from absl.testing import flagsaver
+import numpy as np
+import pytest
+
+from pallas_rs import reference
+from pallas_rs import shapes
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "experiments" / "matmul_rs_bench.py"
+PLOT = REPO / "experiments" / "plot_results.py"
+FLAGS = flags.FLAGS
+# Two small bf16 shapes at D = 8 and D = 2 keep the end-to-end run short.
+SMOKE_NAMES = "ci_llama70b_o_proj_d8,ci_llama70b_o_proj_d2"
+
+
+def _load(name, path):
+  # Each script defines absl flags: load it once per process.
+  if name not in sys.modules:
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+  return sys.modules[name]
+
+
+@pytest.fixture(scope="module")
+def bench():
+  module = _load("matmul_rs_bench", BENCH)
+  if not FLAGS.is_parsed():
+    FLAGS.mark_as_parsed()
+  return module
+
+
+def _good_record(bench):
+  return {
+      "mode": "smoke",
+      "shape": {"name": "ci_x", "m": 64, "n": 512, "k": 512, "num_devices": 8,
+                "k_shard": 64, "m_shard": 8, "dtype": "bfloat16"},
+      "implementation": "seq", "status": "ok", "timer": "host_wall_clock",
+      "performance_claims": False,
+      "timing": {"times_us": [1.0, 2.0], "iterations": 2,
+                 "stats": {"median": 1.5, "min": 1.0, "p90": 1.9, "p95": 1.95,
+                           "count": 2}},
+      "check": {"max_rel_error": 1e-3, "passed": True},
+      "throughput": {"tflops": 1.0, "gbps": 1.0}, "metrics": None,
+      "estimates": None, "notes": [],
+  }
+
+
+# --- schema ------------------------------------------------------------------
+
+
+def test_validate_record_accepts_good(bench):
+  bench.validate_record(_good_record(bench))
+  rec = _good_record(bench)
+  rec.update(status="unavailable: NotImplementedError: not built",
+             timing=None, timer=None, check=None)
+  bench.validate_record(rec)
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda r: r.pop("timing"), "lacks key='timing'"),
+    (lambda r: r.update(mode="gpu"), "mode"),
+    (lambda r: r.update(implementation="magic"), "implementation"),
+    (lambda r: r.update(status="maybe"), "status"),
+    (lambda r: r["shape"].update(m=0), "shape\\['m'\\]"),
+    (lambda r: r.update(performance_claims=True), "no performance claims"),
+    (lambda r: r["timing"].update(iterations=3), "raw times"),
+    (lambda r: r["timing"]["stats"].pop("p95"), "p95"),
+    (lambda r: r["check"].update(max_rel_error=-1.0), "max_rel_error"),
+    (lambda r: r.update(status="unavailable: x"), "must not carry a timing"),
+    (lambda r: r.update(timer="stopwatch"), "timer"),
+])
+def test_validate_record_rejects(bench, mutate, match):
+  rec = copy.deepcopy(_good_record(bench))
+  mutate(rec)
+  with pytest.raises(ValueError, match=match):
+    bench.validate_record(rec)
+
+
+# --- environment and flags ------------------------------------------------------
+
+
+def test_configure_environment_nccl(bench):
+  env = {}
+  assert bench.configure_environment("multi_gpu", env) == "multi_gpu"
+  assert env["NCCL_NVLS_ENABLE"] == "0"
+  with pytest.raises(app.UsageError, match="NCCL_NVLS_ENABLE='1'"):
+    bench.configure_environment("multi_gpu", {"NCCL_NVLS_ENABLE": "1"})
+  with pytest.raises(ValueError, match="mode='fast'"):
+    bench.configure_environment("fast", {})
+
+
+def test_configure_environment_smoke_after_jax_import(bench):
+  # conftest imported jax with 8 forced devices: nothing is changed.
+  env = {"XLA_FLAGS": ""}
+  assert bench.configure_environment("smoke", env) == "smoke"
+  assert env == {"XLA_FLAGS": ""}
+
+
+def test_flag_parsing(bench):
+  with flagsaver.flagsaver():
+    FLAGS(["bench", "--mode=smoke", "--implementations=xla,auto",
+           "--iterations=7", "--nocheck", "--tags=ci,bf16", "--xla_peer",
+           "--timer=host_wall_clock"])
+    assert FLAGS.mode == "smoke" and FLAGS.iterations == 7
+    assert FLAGS.implementations == ["xla", "auto"]
+    assert not FLAGS.check and FLAGS.xla_peer
+    assert FLAGS.tags == ["ci", "bf16"]
+    assert [c.name for c in bench.select_cases("smoke")] == [
+        c.name for c in shapes.select(tags=["ci", "bf16"])]
+  with flagsaver.flagsaver():
+    with pytest.raises(flags.IllegalFlagValueError):
+      FLAGS(["bench", "--mode=fastest"])
+  with flagsaver.flagsaver(m=256, n=128, k=None):
+    with pytest.raises(app.UsageError, match="go together"):
+      bench.select_cases("smoke")
+  with flagsaver.flagsaver(m=256, n=128, k=512, num_devices=4):
+    (case,) = bench.select_cases("smoke")
+    assert (case.m, case.n, case.k, case.num_devices) == (256, 128, 512, 4)
+  with flagsaver.flagsaver():
+    assert {c.name for c in bench.select_cases("multi_gpu")} == {
+        c.name for c in shapes.SEED_CASES}
+
+
+def test_stream_reference_matches_numpy_reference(bench):
+  rng = np.random.default_rng(0)
+  xs = rng.standard_normal((4, 16, 8))
+  ws = rng.standard_normal((4, 8, 12))
+  gemm = np.einsum("dmk,dkn->dmn", xs, ws)
+  ref, label, gemm_err = bench.stream_reference(xs, ws, gemm_outs=gemm)
+  np.testing.assert_allclose(ref, reference.numpy_reference(xs, ws),
+                             rtol=1e-12, atol=1e-12)
+  assert label == "numpy float64" and gemm_err < 1e-12
+
+
+def test_single_gpu_sweep_records_unavailable_on_cpu(bench):
+  # The single_gpu code path, run on CPU: XLA baselines time, the fused entry
+  # points (not available on CPU) are recorded as unavailable, never faked.
+  with flagsaver.flagsaver(iterations=2, warmup=1, num_devices=2):
+    recs = bench.sweep_single_gpu([shapes.custom_case(64, 128, 256, 8)],
+                                  "host_wall_clock")
+  recs = [bench._sanitize(r) for r in recs]
+  for r in recs:
+    bench.validate_record(r)
+  got = {(r["shape"]["name"], r["implementation"]): r["status"] for r in recs}
+  assert len(got) == 8  # local x2, loopback (D = 2, 8) x3
+  for (name, impl), status in got.items():
+    if impl in ("local_fused", "loopback_fused"):
+      assert status.startswith("unavailable: "), (name, impl, status)
+    else:
+      assert status == "ok", (name, impl, status)
+  for r in recs:
+    if r["status"] == "ok":
+      assert r["check"]["passed"] and r["check"]["max_rel_error"] < 1e-2
+
+
+# --- end to end -----------------------------------------------------------------
+
+
+def test_smoke_end_to_end(tmp_path):
+  out = tmp_path / "smoke.json"
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)  # the script must force the 8 host devices itself
+  env["JAX_PLATFORMS"] = "cpu"
+  cmd = [sys.executable, str(BENCH), "--mode=smoke", f"--names={SMOKE_NAMES}",
+         "--iterations=3", "--warmup=1", "--implementations=xla,fused,auto",
+         "--xla_peer", f"--out={out}"]
+  res = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                       env=env, cwd=tmp_path, check=False)
+  assert res.returncode == 0, res.stderr[-3000:]
+  assert "no performance claims" in res.stdout
+  doc = json.loads(out.read_text())
+  bench = _load("matmul_rs_bench", BENCH)
+  bench.validate_results(doc)
+  assert doc["mode"] == "smoke" and doc["timer"] == "host_wall_clock"
+  assert doc["environment"]["device_count"] == 8
+  assert "--xla_force_host_platform_device_count=8" in (
+      doc["environment"]["XLA_FLAGS"])
+  by = {(r["shape"]["name"], r["implementation"]): r for r in doc["records"]}
+  for name in SMOKE_NAMES.split(","):
+    for impl in ("gemm", "comm", "seq", "xla", "auto", "xla_windowed_einsum"):
+      rec = by[(name, impl)]
+      assert rec["status"] == "ok", rec["status"]
+      assert len(rec["timing"]["times_us"]) == 3
+      assert rec["check"]["passed"]
+    assert by[(name, "fused")]["status"].startswith("unavailable: ")
+    xla = by[(name, "xla")]
+    assert xla["check"]["ratio_to_unfused"] == pytest.approx(1.0)
+    assert set(xla["metrics"]) >= {"overlap_efficiency", "speedup_vs_seq",
+                                   "comm_hidden_fraction", "fused_over_ideal"}
+    assert "windowed_dot_general" in by[(name, "xla_windowed_einsum")]["hlo"]
+
+  plots = tmp_path / "plots"
+  res = subprocess.run([sys.executable, str(PLOT), f"--results={out}",
+                        f"--out_dir={plots}"], capture_output=True, text=True,
+                       timeout=120, check=False)
+  assert res.returncode == 0, res.stderr[-3000:]
+  assert sorted(p.name for p in plots.glob("*.png")) == [
+      "smoke_efficiency.png", "smoke_times.png"]
+
+
+def test_plot_single_gpu_json(tmp_path):
+  # Plots of a (synthetic) single_gpu results file.
+  plot = _load("plot_results", PLOT)
+  rec = {"status": "ok", "timing": {"stats": {"median": 10.0}}, "metrics": None}
+  doc = {"mode": "single_gpu", "timer": "cupti", "performance_claims": True,
+         "environment": {"device_kind": "H200", "device_count": 1},
+         "records": [
+             dict(rec, shape={"name": "a_local"}, implementation="local_xla"),
+             dict(rec, shape={"name": "a_local"}, implementation="local_fused",
+                  metrics={"fused_over_xla": 0.95}),
+             dict(rec, shape={"name": "a_loopback"},
+                  implementation="loopback_reference"),
+             dict(rec, shape={"name": "a_loopback"},
+                  implementation="loopback_gemm"),
+             {"status": "unavailable: x", "timing": None, "metrics": None,
+              "shape": {"name": "a_loopback"},
+              "implementation": "loopback_fused"},
+         ]}
+  path = tmp_path / "single_gpu_x.json"
+  path.write_text(json.dumps(doc))
+  with flagsaver.flagsaver(target=0.9):
+    written = plot.plot_file(path, tmp_path)
+  assert sorted(p.name for p in written) == [
+      "single_gpu_x_local_ratio.png", "single_gpu_x_loopback.png"]
+  assert all(p.stat().st_size > 0 for p in written)

@@ -1,0 +1,250 @@
+"""pallas_rs.metrics arithmetic and pallas_rs.timing statistics and rules (CPU)."""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_rs import metrics
+from pallas_rs import timing
+
+
+# --- overlap figures ---------------------------------------------------------
+
+
+def test_overlap_efficiency_worked_example():
+  # T_gemm 10, T_comm 20: sequential 30, ideal 20; fused 21 hides 9 of 10.
+  assert metrics.overlap_efficiency(10.0, 20.0, 21.0) == pytest.approx(0.9)
+  assert metrics.comm_hidden_fraction(10.0, 20.0, 21.0) == pytest.approx(0.45)
+  assert metrics.fused_over_ideal(10.0, 20.0, 21.0) == pytest.approx(1.05)
+  assert metrics.speedup(30.0, 21.0) == pytest.approx(30 / 21)
+
+
+def test_overlap_efficiency_bounds():
+  assert metrics.overlap_efficiency(10.0, 20.0, 30.0) == 0.0  # sequential
+  assert metrics.overlap_efficiency(10.0, 20.0, 20.0) == 1.0  # perfect
+  # Symmetric in gemm/comm: the min is the denominator.
+  assert metrics.overlap_efficiency(20.0, 10.0, 21.0) == pytest.approx(0.9)
+
+
+def test_overlap_efficiency_equal_gemm_and_comm():
+  assert metrics.overlap_efficiency(5.0, 5.0, 5.0) == 1.0
+  assert metrics.overlap_efficiency(5.0, 5.0, 7.5) == 0.5
+  assert metrics.comm_hidden_fraction(5.0, 5.0, 7.5) == 0.5
+  assert metrics.fused_over_ideal(5.0, 5.0, 7.5) == 1.5
+
+
+def test_fused_slower_than_sequential_gives_negative_e():
+  e = metrics.overlap_efficiency(10.0, 20.0, 40.0)
+  assert e == pytest.approx(-1.0)
+  assert metrics.speedup(30.0, 40.0) == pytest.approx(0.75)
+  assert metrics.comm_hidden_fraction(10.0, 20.0, 40.0) == pytest.approx(-0.5)
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, math.nan, math.inf, None, "1"])
+def test_overlap_rejects_bad_times(bad):
+  with pytest.raises(ValueError, match="must be"):
+    metrics.overlap_efficiency(bad, 1.0, 1.0)
+  with pytest.raises(ValueError, match="t_fused"):
+    metrics.overlap_efficiency(1.0, 1.0, bad)
+  with pytest.raises(ValueError, match="t_seq"):
+    metrics.speedup(bad, 1.0)
+
+
+def test_overlap_metrics_dict():
+  out = metrics.overlap_metrics(t_gemm=10.0, t_comm=20.0, t_seq=30.0,
+                                t_fused=21.0)
+  assert out["overlap_efficiency"] == pytest.approx(0.9)
+  assert out["speedup_vs_seq"] == pytest.approx(30 / 21)
+  assert out["t_ideal"] == 20.0
+  assert out["gemm_over_comm"] == 0.5
+
+
+# --- work, traffic, rates, estimates -----------------------------------------
+
+
+def test_flops_and_bytes():
+  assert metrics.gemm_flops(512, 1024, 8192) == 2 * 512 * 1024 * 8192
+  # NCCL busbw: (D - 1) / D of the per-device [m, n] input.
+  assert metrics.reduce_scatter_bus_bytes(512, 8192, 8, 2) == (
+      7 / 8 * 512 * 8192 * 2)
+  assert metrics.reduce_scatter_bus_bytes(512, 8192, 1, 2) == 0.0
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(m=0, k_shard=1, n=1), "m=0"),
+    (dict(m=1, k_shard=-4, n=1), "k_shard=-4"),
+    (dict(m=1, k_shard=1, n=1.5), "n=1.5"),
+])
+def test_flops_rejects_bad_dims(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    metrics.gemm_flops(**kwargs)
+
+
+def test_rates():
+  assert metrics.achieved_tflops(2e12, 0.5) == pytest.approx(4.0)
+  assert metrics.achieved_gbps(3e9, 2.0) == pytest.approx(1.5)
+  assert metrics.achieved_gbps(0.0, 1.0) == 0.0
+  with pytest.raises(ValueError, match="seconds"):
+    metrics.achieved_tflops(1.0, 0.0)
+  with pytest.raises(ValueError, match="seconds"):
+    metrics.achieved_gbps(1.0, math.nan)
+  with pytest.raises(ValueError, match="flops"):
+    metrics.achieved_tflops(math.nan, 1.0)
+
+
+def test_estimates_match_design_table():
+  # design.md section 3: o_proj M=512 T_comm est. 23.6 us at 311 GB/s.
+  t_comm = metrics.estimate_t_comm(512, 8192, 8, 2)
+  assert t_comm * 1e6 == pytest.approx(23.6, abs=0.05)
+  # o_proj M=32768: 1510 us.
+  assert metrics.estimate_t_comm(32768, 8192, 8) * 1e6 == pytest.approx(
+      1510, rel=2e-3)
+  t_gemm = metrics.estimate_t_gemm(512, 1024, 8192)
+  assert t_gemm == pytest.approx(2 * 512 * 1024 * 8192 / 790e12)
+  est = metrics.roofline_estimates(512, 1024, 8192, 8)
+  assert "estimate" in est["label"]
+  assert est["t_ideal_us"] == max(est["t_gemm_us"], est["t_comm_us"])
+  with pytest.raises(ValueError, match="peak_flops"):
+    metrics.estimate_t_gemm(1, 1, 1, peak_flops=0.0)
+
+
+# --- statistics ----------------------------------------------------------------
+
+
+def test_summarize():
+  stats = metrics.summarize([float(i) for i in range(1, 101)])
+  assert stats["count"] == 100
+  assert stats["median"] == 50.5
+  assert stats["min"] == 1.0 and stats["max"] == 100.0
+  assert stats["p90"] == pytest.approx(np.percentile(np.arange(1, 101), 90))
+  assert stats["p95"] == pytest.approx(95.05)
+
+
+@pytest.mark.parametrize("bad", [[], [1.0, math.nan], [1.0, -2.0], [math.inf]])
+def test_summarize_rejects(bad):
+  with pytest.raises(ValueError, match="times"):
+    metrics.summarize(bad)
+
+
+# --- timing: the multi-device CUPTI rule (synthetic records) -------------------
+
+
+def test_kernels_to_timing_one_device():
+  per_iter = [[("gemm", 0.010), ("cast", 0.002)], [("gemm", 0.012),
+                                                    ("cast", 0.002)]]
+  t = timing.kernels_to_timing(per_iter, num_devices=1)
+  assert t.timer == "cupti"
+  assert t.times_us == pytest.approx([12.0, 14.0])
+  assert t.times_min_us == pytest.approx([12.0, 14.0])
+  assert t.kernels["gemm"]["count_per_iteration"] == 1
+
+
+def test_kernels_to_timing_max_and_min_rule():
+  # Two devices, two kernels each; records interleaved without device ids.
+  it = [("dot", 0.010), ("rs", 0.030), ("dot", 0.012), ("rs", 0.020)]
+  t = timing.kernels_to_timing([it, it], num_devices=2)
+  # step = max(dot) + max(rs); min rule = min(dot) + min(rs).
+  assert t.times_us == pytest.approx([42.0, 42.0])
+  assert t.times_min_us == pytest.approx([30.0, 30.0])
+  assert "largest" in t.rule
+  assert any("upper bound" in n for n in t.notes)
+
+
+def test_kernels_to_timing_repeated_kernel_per_device():
+  # Each device launches "step" twice per iteration (c = 2).
+  it = [("step", 0.001), ("step", 0.004), ("step", 0.002), ("step", 0.003)]
+  t = timing.kernels_to_timing([it], num_devices=2)
+  assert t.times_us == pytest.approx([7.0])  # 4 + 3
+  assert t.times_min_us == pytest.approx([3.0])  # 1 + 2
+
+
+def test_kernels_to_timing_not_separable_uses_mean():
+  it = [("a", 0.010), ("b", 0.020), ("a", 0.010)]
+  t = timing.kernels_to_timing([it], num_devices=2)
+  assert t.times_us == pytest.approx([20.0])  # 40 us over 2 devices
+  assert t.times_min_us is None
+  assert "mean" in t.rule
+
+
+class _FakeProfiler:
+  """Stands in for jax.experimental.mosaic.gpu.profiler on CPU."""
+
+  def __init__(self, fail_chunking=False):
+    self.fail_chunking = fail_chunking
+    self.calls = []
+
+  def measure(self, f, *, aggregate=True, iterations=1):
+    assert aggregate is False
+    self.calls.append(iterations)
+
+    def wrapper(*args):
+      out = f(*args)
+      if iterations > 1 and self.fail_chunking:
+        raise RuntimeError("Kernel names are not consistent across iterations")
+      one = [("k0", 0.005), ("k0", 0.007)]  # two devices
+      return out, one if iterations == 1 else [one] * iterations
+    return wrapper
+
+
+@pytest.mark.parametrize("fail_chunking", [False, True])
+def test_cupti_path_with_fake_profiler(monkeypatch, fail_chunking):
+  fake = _FakeProfiler(fail_chunking)
+  monkeypatch.setattr(timing, "_measure_params", lambda: (
+      fake, {"f": None, "aggregate": None, "iterations": None}))
+  f = jax.jit(lambda a: a * 2)
+  t = timing.time_function(f, (jnp.ones(4),), iterations=3, warmup=1,
+                           timer="cupti", num_devices=2)
+  assert t.timer == "cupti"
+  assert t.times_us == pytest.approx([7.0] * 3)
+  assert t.times_min_us == pytest.approx([5.0] * 3)
+  assert t.compile_s is not None and t.host_batch_us > 0
+  if fail_chunking:
+    assert fake.calls == [3, 1, 1, 1]
+    assert any("one CUPTI session per iteration" in n for n in t.notes)
+  else:
+    assert fake.calls == [3]
+  js = t.to_json()
+  assert js["stats"]["median"] == pytest.approx(7.0)
+  assert js["stats_min_across_devices"]["median"] == pytest.approx(5.0)
+
+
+def test_cupti_other_runtime_errors_propagate(monkeypatch):
+  class Broken(_FakeProfiler):
+    def measure(self, f, *, aggregate=True, iterations=1):
+      def wrapper(*args):
+        raise RuntimeError("CUPTI profiling is not supported on this platform")
+      return wrapper
+  monkeypatch.setattr(timing, "_measure_params",
+                      lambda: (Broken(), {"iterations": None}))
+  with pytest.raises(RuntimeError, match="not supported"):
+    timing.time_function(jax.jit(lambda a: a + 1), (jnp.ones(2),),
+                         iterations=2, warmup=0, timer="cupti")
+
+
+# --- timing: host wall clock on CPU ------------------------------------------
+
+
+def test_host_wall_clock_on_cpu():
+  assert timing.resolve_timer("auto") == "host_wall_clock"
+  f = jax.jit(lambda a, b: a @ b)
+  a = jnp.ones((32, 32))
+  t = timing.time_function(f, (a, a), iterations=5, warmup=2)
+  assert t.timer == "host_wall_clock"
+  assert len(t.times_us) == 5 and all(x > 0 for x in t.times_us)
+  assert t.iterations == 5 and t.warmup == 2
+  assert t.compile_s > 0 and t.host_batch_us is None
+  assert "no performance claims" in t.rule
+  assert t.to_json()["stats"]["count"] == 5
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(iterations=0), "iterations=0"),
+    (dict(warmup=-1), "warmup=-1"),
+    (dict(num_devices=0), "num_devices=0"),
+    (dict(timer="events"), "timer='events'"),
+])
+def test_time_function_validation(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    timing.time_function(jax.jit(lambda a: a), (jnp.ones(2),), **kwargs)

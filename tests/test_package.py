@@ -1,0 +1,89 @@
+"""Public surface, the shape table and the numpy reference helpers."""
+import numpy as np
+import pytest
+
+import pallas_rs
+from pallas_rs import reference
+from pallas_rs import shapes
+
+
+def test_public_api():
+  for name in pallas_rs.__all__:
+    assert getattr(pallas_rs, name) is not None, name
+  assert pallas_rs.reference_matmul_reduce_scatter is reference.matmul_reduce_scatter
+  assert pallas_rs.shapes is shapes
+  with pytest.raises(AttributeError, match="no attribute 'nope'"):
+    pallas_rs.nope  # pylint: disable=pointless-statement
+
+
+def test_seed_cases_match_design():
+  assert len(shapes.SEED_CASES) == 16
+  nk = {(c.n, c.k) for c in shapes.SEED_CASES}
+  assert nk == {(8192, 8192), (8192, 28672), (6144, 6144), (6144, 16384)}
+  assert {c.m for c in shapes.SEED_CASES} == {512, 2048, 8192, 32768}
+  for c in shapes.SEED_CASES:
+    assert c.num_devices == 8 and c.dtype == "bfloat16" and "seed" in c.tags
+    assert c.k % c.num_devices == 0 and c.m % c.num_devices == 0
+  c = shapes.by_name("llama70b_down_proj_m512")
+  assert (c.m, c.n, c.k, c.k_shard, c.m_shard) == (512, 8192, 28672, 3584, 64)
+  assert "llama70b" in c.tags and "down_proj" in c.tags
+
+
+def test_ci_cases_are_small_and_legal():
+  ci = shapes.select("ci")
+  assert ci == shapes.CI_CASES
+  assert {c.num_devices for c in ci} == {2, 4, 8}
+  assert {c.dtype for c in ci} == {"bfloat16", "float32"}
+  assert any(c.m == c.num_devices for c in ci)
+  assert any(c.n & (c.n - 1) for c in ci)  # A non-power-of-two n.
+  for c in ci:
+    assert c.k % c.num_devices == 0 and c.m % c.num_devices == 0, c
+    assert c.m * c.k * c.n <= 2**26, c  # Keeps CPU runs fast.
+
+
+def test_select_and_by_name():
+  assert len(shapes.select(["seed", "mixtral8x22b"])) == 8
+  assert shapes.select("seed", names=["llama70b_o_proj_m512"]) == (
+      shapes.by_name("llama70b_o_proj_m512"),)
+  assert shapes.select(names=[]) == ()
+  assert shapes.select() == shapes.ALL_CASES
+  with pytest.raises(KeyError, match="unknown case name='nope'"):
+    shapes.by_name("nope")
+  with pytest.raises(KeyError, match="nope"):
+    shapes.select(names=["nope"])
+
+
+def test_custom_case_and_validation():
+  c = shapes.custom_case(1024, 384, 2048, 4)
+  assert (c.name, c.k_shard, c.m_shard, c.n_shard) == (
+      "custom_m1024_n384_k2048_d4", 512, 256, 96)
+  assert c.tags == frozenset({"custom"})
+  assert c.with_num_devices(2).name == "custom_m1024_n384_k2048_d4_d2"
+  with pytest.raises(ValueError, match="m=0 must be a positive int"):
+    shapes.Case("bad", m=0, n=1, k=1, num_devices=1)
+
+
+def test_numpy_reference_both_dimensions():
+  rng = np.random.default_rng(0)
+  xs = rng.standard_normal((4, 8, 3))
+  ws = rng.standard_normal((4, 3, 12))
+  full = sum(xs[d] @ ws[d] for d in range(4))
+  out0 = reference.numpy_reference(xs, ws, 0)
+  out1 = reference.numpy_reference(xs, ws, 1)
+  assert out0.shape == (4, 2, 12) and out1.shape == (4, 8, 3)
+  np.testing.assert_allclose(out0.reshape(8, 12), full)
+  np.testing.assert_allclose(np.concatenate(list(out1), axis=1), full)
+  with pytest.raises(ValueError, match="not divisible"):
+    reference.numpy_reference(xs[:, :6], ws, 0)
+  with pytest.raises(ValueError, match="expected xs"):
+    reference.numpy_reference(xs[0], ws, 0)
+
+
+def test_max_rel_error():
+  ref = np.array([[1.0, -4.0], [2.0, 0.0]])
+  assert reference.max_rel_error(ref, ref) == 0.0
+  assert reference.max_rel_error(ref + [[0, 0], [0, 0.5]], ref) == 0.125
+  assert reference.max_rel_error(np.zeros(3), np.zeros(3)) == 0.0
+  assert reference.max_rel_error(np.ones(3), np.zeros(3)) == float("inf")
+  with pytest.raises(ValueError, match="shape"):
+    reference.max_rel_error(np.ones(2), np.ones(3))
