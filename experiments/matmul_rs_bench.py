@@ -834,10 +834,7 @@ def _loopback_records(mode, case, dtype, itemsize, timer, fused):
     return jnp.einsum("dmk,dkn->dmn", xs, ws,
                       preferred_element_type=jnp.float32)
 
-  def loopback_reference(xs, ws):
-    # f32 partials [D(src), M, N] -> [D(src), D(dst), M/D, N] -> sum over src.
-    return stacked_dots(xs, ws).reshape(d, d, m // d, n).sum(axis=0).astype(
-        dtype)
+  from pallas_rs.reference import loopback_matmul_reduce_scatter as loopback_reference  # pylint: disable=g-import-not-at-top
 
   state = {}
 

@@ -79,3 +79,25 @@ def max_rel_error(out, ref) -> float:
   if den == 0.0:
     return 0.0 if num == 0.0 else float("inf")
   return num / den
+
+
+def loopback_matmul_reduce_scatter(xs: jax.Array, ws: jax.Array) -> jax.Array:
+  """The unfused path emulated on one device, for the loopback comparisons.
+
+  xs [D, m, k_shard], ws [D, k_shard, n] -> [D, m // D, n]. Each rank's f32-accumulated
+  partial is rounded to the input dtype (what `psum_scatter` receives), then the partials are
+  summed in source order with a rounding after every add, as a reduce-scatter over bf16
+  buffers does. `lax.reduce_precision` keeps XLA from eliding those roundings (GPU XLA allows
+  excess precision by default, which would make this baseline more accurate than the real
+  unfused path).
+  """
+  d, m, _ = xs.shape
+  dtype = xs.dtype
+  info = jnp.finfo(dtype)
+  rnd = lambda v: lax.reduce_precision(v, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+  parts = jnp.einsum("dmk,dkn->dmn", xs, ws, preferred_element_type=jnp.float32)
+  parts = rnd(parts).reshape(d, d, m // d, -1)  # [src, dst, m // D, n]
+  acc = parts[0]
+  for src in range(1, d):
+    acc = rnd(acc + parts[src])
+  return acc.astype(dtype)

@@ -1,0 +1,99 @@
+"""The fused kernel on one Hopper GPU: loopback (D virtual ranks) and D = 1.
+
+Skipped without a Hopper GPU. Rule (design.md section 2): max relative error vs a float64
+reference at most 1.1x that of the unfused path on the same inputs; the unfused path on one
+GPU is `reference.loopback_matmul_reduce_scatter` (bf16 partials, bf16 running sum).
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_rs import fused
+from pallas_rs import reference
+
+pytestmark = pytest.mark.gpu
+
+PAIRS = [(8192, 8192), (8192, 28672), (6144, 6144), (6144, 16384)]  # (n, k) of the seed table
+
+
+def _inputs(seed, d, m, k_shard, n):
+  kx, kw = jax.random.split(jax.random.key(seed))
+  scale = (1.0 + jnp.arange(d, dtype=jnp.float32) / d)[:, None, None]  # distinct per rank
+  xs = (jax.random.normal(kx, (d, m, k_shard)) * scale).astype(jnp.bfloat16)
+  ws = (jax.random.normal(kw, (d, k_shard, n)) / np.sqrt(k_shard * d)).astype(jnp.bfloat16)
+  return xs, ws
+
+
+def _ref64(xs, ws):
+  x = np.asarray(xs.astype(jnp.float32), np.float64)
+  w = np.asarray(ws.astype(jnp.float32), np.float64)
+  d, m, _ = x.shape
+  return np.einsum("dmk,dkn->mn", x, w).reshape(d, m // d, -1)
+
+
+def _err(out, ref):
+  return reference.max_rel_error(np.asarray(out.astype(jnp.float32), np.float64), ref)
+
+
+_loopback = jax.jit(fused.loopback_matmul_reduce_scatter)
+_unfused = jax.jit(reference.loopback_matmul_reduce_scatter)
+
+
+def _check_loopback(d, m, n, k, seed):
+  xs, ws = _inputs(seed, d, m, k // d, n)
+  ref = _ref64(xs, ws)
+  out = _loopback(xs, ws)
+  assert out.shape == (d, m // d, n)
+  e_fused, e_xla = _err(out, ref), _err(_unfused(xs, ws), ref)
+  assert e_fused <= 1.1 * e_xla, (e_fused, e_xla)
+
+
+@pytest.mark.parametrize("d", [2, 4, 8])
+@pytest.mark.parametrize("n,k", PAIRS)
+def test_loopback_scaled_seed_pairs(d, n, k):
+  _check_loopback(d, 128 * d, n // 8, k // 4, seed=d * 7 + n % 97)
+
+
+@pytest.mark.parametrize("d,m,n,k", [(8, 512, 8192, 8192), (8, 2048, 6144, 16384)])
+def test_loopback_full_seed_shapes(d, m, n, k):
+  _check_loopback(d, m, n, k, seed=m)
+
+
+def test_back_to_back_fresh_inputs():
+  # Stale semaphores or receive slots from a previous call would show up as a wrong result.
+  for i in range(20):
+    _check_loopback(4, 512, 512, 1024, seed=100 + i)
+
+
+@pytest.mark.long
+def test_thousand_calls():
+  f = jax.jit(fused.loopback_matmul_reduce_scatter)
+  for i in range(1000):
+    d, m, n, k = (8, 512, 1024, 2048) if i % 2 else (4, 1024, 768, 1536)
+    xs, ws = _inputs(i, d, m, k // d, n)
+    out = f(xs, ws)
+    ref = jnp.einsum("dmk,dkn->mn", xs.astype(jnp.float32), ws.astype(jnp.float32),
+                     precision=jax.lax.Precision.HIGHEST).reshape(d, m // d, -1)
+    err = lambda o: float(jnp.max(jnp.abs(o.astype(jnp.float32) - ref)) / jnp.max(jnp.abs(ref)))
+    assert err(out) <= 1.1 * err(_unfused(xs, ws)), i
+
+
+@pytest.mark.parametrize("m,n,k", [(256, 1024, 2048), (512, 768, 1536), (128, 8192, 1024)])
+def test_d1_local_matmul(m, n, k):
+  xs, ws = _inputs(m, 1, m, k, n)
+  ref = _ref64(xs, ws)[0]
+  out = jax.jit(fused.local_matmul)(xs[0], ws[0])
+  base = jnp.dot(xs[0], ws[0], preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+  assert _err(out, ref) <= 1.1 * _err(base, ref)
+
+
+def test_nan_shows_where_reference_has_it():
+  xs, ws = _inputs(5, 4, 512, 256, 512)
+  xs = xs.at[1, 130, 7].set(jnp.nan)
+  out = np.asarray(_loopback(xs, ws).astype(jnp.float32))
+  ref = _ref64(xs, ws)
+  np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+  assert np.isnan(out).any()

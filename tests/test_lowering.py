@@ -1,0 +1,113 @@
+"""The fused kernel lowers for CUDA from this CPU machine (jax.export, platforms=["cuda"]).
+
+Lowering runs Mosaic GPU's compiler up to its own checks (shared-memory budget, tiling, TMA
+boxes, layouts), so a config that cannot compile fails here, without a GPU.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import pytest
+
+import helpers
+from pallas_rs import config as config_lib
+from pallas_rs import fused
+from pallas_rs import shapes
+
+SEEDS = shapes.select(tags="seed")
+
+
+def _export_shard_map(m, n, k, d, config=None):
+  mesh = helpers.make_mesh(d)
+  f = functools.partial(fused.fused_matmul_reduce_scatter, axis_name=helpers.AXIS,
+                        num_devices=d, config=config)
+  g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(None, helpers.AXIS), P(helpers.AXIS, None)),
+                            out_specs=P(helpers.AXIS, None), check_vma=False))
+  x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, helpers.AXIS)))
+  w = jax.ShapeDtypeStruct((k, n), jnp.bfloat16, sharding=NamedSharding(mesh, P(helpers.AXIS, None)))
+  exported = jax.export.export(g, platforms=["cuda"])(x, w)
+  text = exported.mlir_module()
+  assert "mosaic_gpu" in text
+  return exported
+
+
+@pytest.mark.parametrize("case", SEEDS, ids=lambda c: c.name)
+def test_seed_shapes_lower_at_d8(case):
+  exported = _export_shard_map(case.m, case.n, case.k, 8)
+  assert exported.out_avals[0].shape == (case.m, case.n)
+
+
+@pytest.mark.parametrize("d", [2, 4])
+@pytest.mark.parametrize("name", ["llama70b_o_proj_m512", "mixtral8x22b_w2_m2048"])
+def test_lowers_at_d2_d4(name, d):
+  case = shapes.by_name(name)
+  _export_shard_map(case.m, case.n, case.k, d)
+
+
+@pytest.mark.parametrize("d", [2, 8])
+def test_loopback_and_local_lower(d):
+  xs = jax.ShapeDtypeStruct((d, 128 * d, 256), jnp.bfloat16)
+  ws = jax.ShapeDtypeStruct((d, 256, 512), jnp.bfloat16)
+  jax.export.export(jax.jit(fused.loopback_matmul_reduce_scatter), platforms=["cuda"])(xs, ws)
+  x = jax.ShapeDtypeStruct((512, 256), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16)
+  jax.export.export(jax.jit(fused.local_matmul), platforms=["cuda"])(x, w)
+
+
+def test_smem_estimate_agrees_with_mosaic(monkeypatch):
+  # Over the limit per our estimate; with our check bypassed, Mosaic rejects it too.
+  cfg = config_lib.Config(tile_m=128, tile_n=128, max_concurrent_steps=5)
+  assert not cfg.fits_smem(8)
+  xs = jax.ShapeDtypeStruct((8, 1024, 512), jnp.bfloat16)
+  ws = jax.ShapeDtypeStruct((8, 512, 1024), jnp.bfloat16)
+  f = jax.jit(functools.partial(fused.loopback_matmul_reduce_scatter, config=cfg))
+  with pytest.raises(NotImplementedError, match="shared memory"):
+    jax.export.export(f, platforms=["cuda"])(xs, ws)
+  monkeypatch.setattr(config_lib.Config, "fits_smem", lambda self, d, limit=0: True)
+  with pytest.raises(ValueError, match="exceeds available shared memory"):
+    jax.export.export(f, platforms=["cuda"])(xs, ws)
+  # One stage fewer fits by both counts.
+  monkeypatch.undo()
+  cfg4 = config_lib.Config(tile_m=128, tile_n=128, max_concurrent_steps=3)
+  assert cfg4.fits_smem(8)
+  jax.export.export(jax.jit(functools.partial(fused.loopback_matmul_reduce_scatter, config=cfg4)),
+                    platforms=["cuda"])(xs, ws)
+
+
+@pytest.mark.parametrize("m,n,k,match", [
+    (8 * 96, 1024, 8 * 64, "not a multiple of tile_m"),
+    (8 * 128, 1024, 8 * 96, "k_shard=96 is not a multiple of tile_k=64"),
+    (8 * 128, 1000, 8 * 64, "n=1000 is not a multiple"),
+])
+def test_unsupported_shapes_are_named(m, n, k, match):
+  cfg = config_lib.Config(tile_m=128, tile_n=64)
+  with pytest.raises(NotImplementedError, match=match):
+    fused.check_supported(m=m, k_shard=k // 8, n=n, dtype=jnp.bfloat16, num_devices=8, config=cfg)
+
+
+def test_default_config_rejects_tiny_chunks():
+  with pytest.raises(NotImplementedError, match="no kernel tiling"):
+    fused.check_supported(m=8 * 32, k_shard=64, n=256, dtype=jnp.bfloat16, num_devices=8)
+
+
+def test_non_bf16_is_not_implemented():
+  with pytest.raises(NotImplementedError, match="bfloat16 only"):
+    fused.check_supported(m=1024, k_shard=64, n=256, dtype=jnp.float32, num_devices=8)
+
+
+def test_config_validation_messages():
+  with pytest.raises(ValueError, match="tile_m=96 must be 64 or 128"):
+    config_lib.Config(tile_m=96)
+  with pytest.raises(ValueError, match="tile_n=128 must be divisible by epi_tile_n=48"):
+    config_lib.Config(tile_n=128, epi_tile_n=48)
+  with pytest.raises(ValueError, match="max_concurrent_steps=1 must be >= 2"):
+    config_lib.Config(max_concurrent_steps=1)
+
+
+@pytest.mark.parametrize("case", SEEDS[::5], ids=lambda c: c.name)
+def test_every_search_space_config_fits(case):
+  for d in (1, 8):
+    for cfg in config_lib.search_space(m=case.m, n=case.n, k_shard=case.k // 8, num_devices=d):
+      assert cfg.fits_smem(d), cfg

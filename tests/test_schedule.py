@@ -1,0 +1,88 @@
+"""The communication schedule as data (schedule.py): the protocol the kernel runs, checked on CPU."""
+import collections
+
+import pytest
+
+from pallas_rs import config as config_lib
+from pallas_rs import schedule
+from pallas_rs import shapes
+
+SEEDS = shapes.select(tags="seed")
+
+
+def _tiles(case, d):
+  cfg = config_lib.default_config(m=case.m, n=case.n, k_shard=case.k // d, num_devices=d)
+  return config_lib.tiles_per_chunk(cfg, m=case.m, n=case.n, num_devices=d)
+
+
+def _check(d, tiles, num_ctas):
+  result = schedule.simulate(num_ctas=num_ctas, num_devices=d, tiles_per_chunk=tiles)
+  trace = result["trace"]
+  computed = collections.Counter((e.rank, e.dst, e.tile) for e in trace if e.kind == "compute")
+  # Every rank computes every tile of every chunk exactly once.
+  assert set(computed.values()) == {1}
+  assert len(computed) == d * d * tiles
+  # Every output tile is produced (reduced) exactly once, by its owner.
+  reduced = collections.Counter((e.rank, e.tile) for e in trace if e.kind == "reduce")
+  assert set(reduced.values()) == {1} and len(reduced) == d * tiles
+  # Every receive slot is written exactly once, by the source the slot names.
+  stores = collections.Counter((e.dst, e.slot, e.tile) for e in trace
+                               if e.kind == "store" and e.slot >= 0)
+  assert set(stores.values()) == {1} and len(stores) == d * (d - 1) * tiles
+  for e in trace:
+    if e.kind == "store" and e.slot >= 0:
+      assert schedule.source_of_slot(e.dst, e.slot, d) == e.rank
+  # Each wait's target equals the signals that reach its semaphore: no more, no fewer.
+  waits = {(e.rank, e.tile): e.target for e in trace if e.kind == "wait"}
+  for (rank, tile, wg), value in result["semaphores"].items():
+    assert value == waits[(rank, tile)] == d - 1, (rank, tile, wg)
+  assert len(result["semaphores"]) == d * tiles * schedule.NUM_COMPUTE_WGS
+
+
+@pytest.mark.parametrize("case", SEEDS, ids=lambda c: c.name)
+def test_seed_shapes_d8_nvlink(case):
+  _check(8, _tiles(case, 8), num_ctas=config_lib.DEFAULT_NUM_SMS)
+
+
+@pytest.mark.parametrize("d", [2, 4, 8])
+@pytest.mark.parametrize("name", ["llama70b_o_proj_m512", "mixtral8x22b_w2_m2048",
+                                  "llama70b_down_proj_m8192"])
+def test_loopback_and_small_d(name, d):
+  case = shapes.by_name(name)
+  tiles = _tiles(case, d)
+  _check(d, tiles, num_ctas=config_lib.DEFAULT_NUM_SMS // d)  # loopback: CTAs split by rank
+  _check(d, tiles, num_ctas=config_lib.DEFAULT_NUM_SMS)
+
+
+@pytest.mark.parametrize("d,tiles,ctas", [(2, 1, 1), (8, 3, 5), (4, 7, 64), (8, 1, 132)])
+def test_awkward_grids(d, tiles, ctas):
+  _check(d, tiles, ctas)
+
+
+def test_stagger_order():
+  # Rank r computes the chunk of r+1 first and its own chunk last.
+  events = schedule.cta_program(3, 0, num_ctas=1, num_devices=4, tiles_per_chunk=1)
+  dsts = [e.dst for e in events if e.kind == "compute"]
+  assert dsts == [0, 1, 2, 3]
+
+
+def test_signal_is_deferred_until_next_tile():
+  events = schedule.cta_program(0, 0, num_ctas=1, num_devices=2, tiles_per_chunk=2)
+  kinds = [(e.kind, e.step, e.tile) for e in events]
+  # The store of remote tile 0 is announced after tile 1's mainloop, not right after the store.
+  assert kinds.index(("signal", 0, 0)) > kinds.index(("compute", 0, 1))
+
+
+def test_detects_missing_signal(monkeypatch):
+  orig = schedule.cta_program
+
+  def drop_last_signal(*args, **kwargs):
+    events = orig(*args, **kwargs)
+    if args[0] == 1 and args[1] == 0:
+      idx = max(i for i, e in enumerate(events) if e.kind == "signal")
+      del events[idx]
+    return events
+
+  monkeypatch.setattr(schedule, "cta_program", drop_last_signal)
+  with pytest.raises(RuntimeError, match="deadlock"):
+    schedule.simulate(num_ctas=1, num_devices=2, tiles_per_chunk=2)
