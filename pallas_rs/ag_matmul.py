@@ -24,6 +24,7 @@ drops it when unused (the column-parallel forward).
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import jax
@@ -95,7 +96,13 @@ def check_supported(*, m_shard: int, k: int, n: int, dtype, out_dtype,
         f"all_gather_lhs_matmul supports bf16/f16 in and the same dtype out, "
         f"got {dtype_name=} {out_name=}")
   try:
+    from jax.experimental.pallas.ops.gpu import collective_matmul_mgpu  # pylint: disable=g-import-not-at-top
     from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu  # pylint: disable=g-import-not-at-top
+    params = inspect.signature(
+        collective_matmul_mgpu.all_gather_lhs_matmul).parameters
+    if not {"config", "dtype"} <= set(params):
+      raise TypeError(f"all_gather_lhs_matmul{tuple(params)} lacks config= "
+                      "or dtype=")
     config = default_config(m_shard, n) if config is None else config
   except (ImportError, TypeError, AttributeError) as e:
     raise NotImplementedError(

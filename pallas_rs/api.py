@@ -94,6 +94,11 @@ def _choose_implementation(*, m: int, k_shard: int, n: int, dtype,
   The reason is None unless "auto" fell back to XLA. ValueError from the fused
   kernel's checks propagates; NotImplementedError means "fall back". For
   "fused" the config is passed through unchanged (the kernel resolves None).
+
+  "auto" on Hopper: the kernel must support the call (`fused.check_supported`);
+  then an explicit `config` means "fused" with that config (the user asked for
+  it), and without one `pallas_rs.tuning.choose` decides fused vs XLA and the
+  config from the tuning table (fused only where measured to win).
   """
   if implementation == "xla":
     return "xla", config, None
@@ -113,13 +118,21 @@ def _choose_implementation(*, m: int, k_shard: int, n: int, dtype,
         f"platform={dev.platform!r} {dev.device_kind!r} "
         f"process_count={jax.process_count()}")
   from pallas_rs import fused  # pylint: disable=g-import-not-at-top
+  from pallas_rs import tuning  # pylint: disable=g-import-not-at-top
   try:
     chosen = fused.check_supported(m=m, k_shard=k_shard, n=n, dtype=dtype,
                                    num_devices=num_devices, config=config)
   except NotImplementedError as e:
     return "xla", config, str(e)
-  # check_supported returns the config it would use (its default if None).
-  return "fused", config if chosen is None else chosen, None
+  if config is not None:
+    # An explicit config overrides the table's gate: the user asked for it.
+    return "fused", chosen, None
+  decision = tuning.choose(m=m, n=n, k_shard=k_shard, dtype=dtype,
+                           num_devices=num_devices,
+                           gpu_kind=jax.devices()[0].device_kind)
+  if decision.implementation == "fused":
+    return "fused", decision.config, None
+  return "xla", None, f"tuning ({decision.source}): {decision.reason}"
 
 
 def matmul_reduce_scatter(x: jax.Array, w: jax.Array, *, axis_name,
@@ -141,9 +154,12 @@ def matmul_reduce_scatter(x: jax.Array, w: jax.Array, *, axis_name,
       (sequence parallelism); 1 scatters columns, giving [m, n // D]. -2 and -1
       are accepted as aliases of 0 and 1.
     implementation: "xla" (`jnp.dot` + `lax.psum_scatter`), "fused" (the Mosaic
-      GPU kernel; Hopper only) or "auto" (fused where supported, else XLA; the
+      GPU kernel; Hopper only) or "auto" (on Hopper, the fused kernel where the
+      tuning table, `pallas_rs.tuning`, measured it to win, else XLA; the
       reason for falling back is logged once).
-    config: optional `pallas_rs.Config` for the fused kernel.
+    config: optional `pallas_rs.Config` for the fused kernel. With "auto", an
+      explicit config selects the fused kernel wherever it supports the call
+      (the table's gate and config are skipped).
 
   Returns:
     [m // D, n] for scatter_dimension=0, [m, n // D] for 1; device d holds

@@ -172,8 +172,13 @@ def test_auto_on_hopper_falls_back_once_per_reason(monkeypatch):
     api._log_fallback_once(reason)
   assert [a[1] for a in logged] == ["reason A", "reason B"]
 
+  # A supported shape: with an explicit config "auto" honours it; without one, the tuning
+  # table decides, and an unmeasured shape stays on XLA (never claim a win not measured).
   monkeypatch.setattr(fused, "check_supported", lambda **kw: "chosen config")
-  assert api._choose_implementation(**kw) == ("fused", "chosen config", None)
+  assert api._choose_implementation(**dict(kw, config="chosen config"))[:2] == (
+      "fused", "chosen config")
+  impl, _, reason = api._choose_implementation(**kw)
+  assert impl == "xla" and "tuning" in reason
 
   def bad(**kw):
     raise ValueError("tile_m=64 must divide m=100")

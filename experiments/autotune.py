@@ -1,0 +1,462 @@
+"""Autotuner: measures fused vs XLA per shape and writes the tuning table.
+
+One H200, the D = 1 GEMM side of the 16 seed shapes (then the loopback
+protocol at each case's D with the best 2 configs, informational):
+
+  PYTHONPATH=. python experiments/autotune.py --mode=single_gpu --tags=seed \\
+      --max_configs=6 --iterations=20
+
+All visible GPUs, the real fused path under shard_map vs dot + psum_scatter
+(T_seq); sets the gate at that D:
+
+  NCCL_NVLS_ENABLE=0 PYTHONPATH=. python experiments/autotune.py \\
+      --mode=multi_gpu --tags=seed --max_configs=4 --iterations=50
+
+Per shape: every candidate config (`pallas_rs.tuning.candidate_configs`:
+`default_config` first, then one-field variants; at most --max_configs) and
+the XLA baseline are timed on the same random-normal bf16 inputs with
+`pallas_rs.timing.time_function` (CUPTI on GPU); every output is checked
+against an f32-output reference (fused error <= 1.1x the XLA error, the seed
+rule). Only "exceeds available shared memory" ValueErrors and
+NotImplementedError are caught (recorded per config); anything else stops the
+run. The best correct config goes into a table entry, implementation "fused"
+only if its median beats XLA's (by --margin). Entries are merged into --table
+(new replaces same key) after each shape, and the raw records go to --out.
+"""
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+import os
+from pathlib import Path
+import shlex
+import subprocess
+import sys
+from typing import Any, Sequence
+
+from absl import app
+from absl import flags
+from absl import logging
+
+_REPO = Path(__file__).resolve().parents[1]
+if str(_REPO) not in sys.path:
+  sys.path.insert(0, str(_REPO))
+AXIS = "tp"
+SMEM_ERROR = "exceeds available shared memory"
+
+FLAGS = flags.FLAGS
+flags.DEFINE_enum("mode", "single_gpu", ["single_gpu", "multi_gpu"],
+                  "single_gpu: D = 1 GEMM (+ loopback); multi_gpu: all GPUs.")
+flags.DEFINE_list("names", None, "Shape names from pallas_rs.shapes.")
+flags.DEFINE_list("tags", ["seed"], "Shape tags (all must match).")
+flags.DEFINE_integer("num_devices", None, "multi_gpu: D (default: all visible "
+                     "GPUs); single_gpu: loopback D (default: the case's).")
+flags.DEFINE_integer("iterations", 30, "Timed iterations per function.")
+flags.DEFINE_integer("warmup", 2, "Untimed calls after compilation.")
+flags.DEFINE_integer("max_configs", 6, "Candidate configs per shape (<= 0: all).")
+flags.DEFINE_bool("loopback", True, "single_gpu: also time the loopback at the "
+                  "case's D with the best 2 configs (informational entries).")
+flags.DEFINE_float("margin", 0.0, "Choose fused only if its median < (1 - "
+                   "margin) * the XLA median.")
+flags.DEFINE_float("max_error_ratio", 1.1, "Fused max rel error allowed, as a "
+                   "multiple of the XLA path's (plus 1e-6).")
+flags.DEFINE_string("table", "pallas_rs/data/tuning_table.json", "Tuning table "
+                    "to merge the entries into (created if absent; '' = none).")
+flags.DEFINE_string("out", "", "Raw JSON records; default "
+                    "experiments/results/autotune_<mode>_<stamp>.json.")
+flags.DEFINE_integer("seed", 0, "PRNG seed of the inputs.")
+flags.DEFINE_bool("dry_run", False, "List the shapes and candidate configs, "
+                  "time nothing (works on CPU).")
+
+
+# ---------------------------------------------------------------------------
+# Environment and output.
+# ---------------------------------------------------------------------------
+
+
+def _run(cmd: Sequence[str]) -> str | None:
+  try:
+    res = subprocess.run(list(cmd), capture_output=True, text=True, timeout=30,
+                         check=False, cwd=_REPO)
+  except (OSError, subprocess.SubprocessError):
+    return None
+  return res.stdout.strip() if res.returncode == 0 else None
+
+
+def environment(argv: Sequence[str]) -> dict[str, Any]:
+  import jax  # pylint: disable=g-import-not-at-top
+  import jaxlib  # pylint: disable=g-import-not-at-top
+  devices = jax.devices()
+  smi = _run(["nvidia-smi", "--query-gpu=name,driver_version",
+              "--format=csv,noheader"])
+  status = _run(["git", "status", "--porcelain"])
+  return {
+      "jax_version": jax.__version__,
+      "jaxlib_version": jaxlib.__version__,
+      "backend": jax.default_backend(),
+      "device_kind": devices[0].device_kind,
+      "device_count": len(devices),
+      "gpu_names": smi.splitlines() if smi else None,
+      "XLA_FLAGS": os.environ.get("XLA_FLAGS"),
+      "nccl_env": {k: v for k, v in sorted(os.environ.items())
+                   if k.startswith("NCCL_")},
+      "git_commit": _run(["git", "rev-parse", "HEAD"]),
+      "git_dirty": bool(status) if status is not None else None,
+      "command": " ".join(shlex.quote(a) for a in [sys.executable, *argv]),
+      "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+  }
+
+
+def _write_json(path: Path, obj) -> None:
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = path.with_name(path.name + ".tmp")
+  tmp.write_text(json.dumps(obj, indent=1) + "\n")
+  tmp.replace(path)
+
+
+def _merge_into_table(path: str, entries: list[dict]) -> None:
+  from pallas_rs import tuning  # pylint: disable=g-import-not-at-top
+  if not path or not entries:
+    return
+  p = Path(path) if Path(path).is_absolute() else _REPO / path
+  old = tuning.load_table(p) if p.exists() else tuning.empty_table()
+  new = {"schema_version": tuning.SCHEMA_VERSION, "entries": entries}
+  tuning.save_table(p, tuning.merge_entries(old, new))
+
+
+# ---------------------------------------------------------------------------
+# Timing one candidate.
+# ---------------------------------------------------------------------------
+
+
+def _rel_err(out, ref) -> float:
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  out = jnp.asarray(out, jnp.float32)
+  ref = jnp.asarray(ref, jnp.float32)
+  den = float(jnp.max(jnp.abs(ref)))
+  return float(jnp.max(jnp.abs(out - ref))) / den if den else 0.0
+
+
+def _short(cfg) -> str:
+  if cfg is None:
+    return "-"
+  return (f"m{cfg.tile_m}n{cfg.tile_n}s{cfg.max_concurrent_steps}"
+          f"{cfg.grid_minor_dim.name}w{cfg.grid_tile_width}r{cfg.recv_stages}")
+
+
+def time_candidate(label: str, fn, args, ref, *, num_devices: int,
+                   xla_err: float | None, cfg=None) -> dict[str, Any]:
+  """Times and checks one function; SMEM/NotImplemented are recorded, not raised."""
+  from pallas_rs import timing  # pylint: disable=g-import-not-at-top
+  from pallas_rs import tuning  # pylint: disable=g-import-not-at-top
+  rec: dict[str, Any] = {"label": label,
+                         "config": tuning.config_to_json(cfg) if cfg else None}
+  try:
+    # Compile once here: time_function and the check reuse the executable.
+    compiled, compile_s = timing.compile_function(fn, args)
+    t = timing.time_function(compiled, args, iterations=FLAGS.iterations,
+                             warmup=FLAGS.warmup, num_devices=num_devices)
+    out = compiled(*args)
+  except NotImplementedError as e:
+    rec.update(status="not_implemented", error=str(e))
+    return rec
+  except ValueError as e:
+    if SMEM_ERROR not in str(e):
+      raise
+    rec.update(status="smem", error=str(e).splitlines()[0][:500])
+    return rec
+  err = _rel_err(out, ref)
+  ok = xla_err is None or err <= FLAGS.max_error_ratio * xla_err + 1e-6
+  rec.update(status="ok" if ok else "wrong", timer=t.timer,
+             median_us=t.median_us, times_us=[float(v) for v in t.times_us],
+             compile_s=compile_s, max_rel_error=err,
+             xla_max_rel_error=xla_err)
+  logging.info("  %-22s %-18s %10.1f us  err %.2e  %s", label, _short(cfg),
+               t.median_us, err, rec["status"])
+  return rec
+
+
+def _best(recs):
+  ok = [r for r in recs if r.get("status") == "ok"]
+  return min(ok, key=lambda r: r["median_us"]) if ok else None
+
+
+def _gate_entry(*, gpu_kind, d, m, n, k_shard, best, xla, env, mode,
+                measured_with) -> dict[str, Any]:
+  fused_wins = (best is not None and xla is not None
+                and best["median_us"] < (1.0 - FLAGS.margin) * xla["median_us"])
+  return {
+      "key": {"gpu_kind": gpu_kind, "num_devices": d, "m": m, "n": n,
+              "k_shard": k_shard, "dtype": "bfloat16"},
+      "implementation": "fused" if fused_wins else "xla",
+      "config": best["config"] if best else None,
+      "times_us": {"fused": best["times_us"] if best else [],
+                   "xla": xla["times_us"] if xla else []},
+      "env": env,
+      "measured_with": measured_with,
+      "mode": mode,
+  }
+
+
+# ---------------------------------------------------------------------------
+# single_gpu: D = 1 GEMM, then loopback (informational).
+# ---------------------------------------------------------------------------
+
+
+def tune_single_gpu(case, env) -> tuple[list[dict], list[dict]]:
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from pallas_rs import fused  # pylint: disable=g-import-not-at-top
+  from pallas_rs import tuning  # pylint: disable=g-import-not-at-top
+
+  m, n, k_shard = case.m, case.n, case.k_shard
+  gpu_kind = env["device_kind"]
+  kx, kw = jax.random.split(jax.random.key(FLAGS.seed))
+  x = jax.random.normal(kx, (m, k_shard), jnp.float32).astype(jnp.bfloat16)
+  w = (jax.random.normal(kw, (k_shard, n), jnp.float32)
+       / k_shard ** 0.5).astype(jnp.bfloat16)
+  ref = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32,
+                                     precision="highest"))(x, w)
+  xla_fn = jax.jit(lambda a, b: jnp.dot(
+      a, b, preferred_element_type=jnp.float32).astype(a.dtype))
+  records = [time_candidate("xla_dot", xla_fn, (x, w), ref, num_devices=1,
+                            xla_err=None)]
+  xla = records[0]
+  xla_err = xla["max_rel_error"]
+  for cfg in tuning.candidate_configs(m=m, n=n, k_shard=k_shard, num_devices=1,
+                                      max_configs=FLAGS.max_configs):
+    fn = jax.jit(functools.partial(fused.local_matmul, config=cfg))
+    records.append(time_candidate("local_fused", fn, (x, w), ref, num_devices=1,
+                                  xla_err=xla_err, cfg=cfg))
+  del ref
+  fused_recs = records[1:]
+  best = _best(fused_recs)
+  entries = [_gate_entry(
+      gpu_kind=gpu_kind, d=1, m=m, n=n, k_shard=k_shard, best=best, xla=xla,
+      env=env, mode="single_gpu",
+      measured_with=(f"experiments/autotune.py --mode=single_gpu: "
+                     f"fused.local_matmul vs jnp.dot, {xla['timer']}, "
+                     f"{FLAGS.iterations} iterations, {len(fused_recs)} configs"))]
+  for r in records:
+    r.update(case=case.name, num_devices=1, m=m, n=n, k_shard=k_shard,
+             mode="single_gpu")
+  del x, w
+  if FLAGS.loopback:
+    ranked = sorted((r for r in fused_recs if r.get("status") == "ok"),
+                    key=lambda r: r["median_us"])[:2]
+    lb_recs, lb_entry = tune_loopback(case, ranked, env)
+    records += lb_recs
+    if lb_entry:
+      entries.append(lb_entry)
+  return records, entries
+
+
+def tune_loopback(case, ranked, env):
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from pallas_rs import fused  # pylint: disable=g-import-not-at-top
+  from pallas_rs import tuning  # pylint: disable=g-import-not-at-top
+
+  d = FLAGS.num_devices or case.num_devices
+  if d < 2 or case.k % d or case.m % d:
+    return [], None
+  m, n, k_shard = case.m, case.n, case.k // d
+  cfgs = []
+  for r in ranked:
+    cfg = tuning.adapt_config(tuning.config_from_json(r["config"]), m=m, n=n,
+                              k_shard=k_shard, num_devices=d)
+    if cfg is not None and cfg not in cfgs:
+      cfgs.append(cfg)
+  if not cfgs:
+    return [], None
+  kx, kw = jax.random.split(jax.random.key(FLAGS.seed + 1))
+  xs = jax.random.normal(kx, (d, m, k_shard), jnp.float32).astype(jnp.bfloat16)
+  ws = (jax.random.normal(kw, (d, k_shard, n), jnp.float32)
+        / case.k ** 0.5).astype(jnp.bfloat16)
+
+  def partials(a, b):
+    return jnp.einsum("dmk,dkn->dmn", a, b, preferred_element_type=jnp.float32)
+
+  ref = jax.jit(lambda a, b: partials(a, b).reshape(d, d, m // d, n).sum(0))(xs, ws)
+
+  @jax.jit
+  def xla_ref(a, b):
+    # As the unfused path: bf16 partials, then a bf16-rounded sum over sources.
+    p = partials(a, b).astype(a.dtype).reshape(d, d, m // d, n)
+    return p.astype(jnp.float32).sum(0).astype(a.dtype)
+
+  recs = [time_candidate("loopback_xla", xla_ref, (xs, ws), ref, num_devices=1,
+                         xla_err=None)]
+  for cfg in cfgs:
+    fn = jax.jit(functools.partial(fused.loopback_matmul_reduce_scatter, config=cfg))
+    recs.append(time_candidate("loopback_fused", fn, (xs, ws), ref,
+                               num_devices=1, xla_err=recs[0]["max_rel_error"],
+                               cfg=cfg))
+  for r in recs:
+    r.update(case=case.name, num_devices=d, m=m, n=n, k_shard=k_shard,
+             mode="loopback")
+  entry = _gate_entry(
+      gpu_kind=env["device_kind"], d=d, m=m, n=n, k_shard=k_shard,
+      best=_best(recs[1:]), xla=recs[0], env=env, mode="loopback",
+      measured_with=(f"experiments/autotune.py --mode=single_gpu --loopback: "
+                     f"{d} virtual ranks on one GPU vs an XLA einsum+sum; "
+                     f"informational, never gates real D > 1"))
+  return recs, entry
+
+
+# ---------------------------------------------------------------------------
+# multi_gpu: the real fused path under shard_map vs dot + psum_scatter.
+# ---------------------------------------------------------------------------
+
+
+def tune_multi_gpu(case, env) -> tuple[list[dict], list[dict]]:
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax import lax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
+  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from pallas_rs import fused  # pylint: disable=g-import-not-at-top
+  from pallas_rs import reference  # pylint: disable=g-import-not-at-top
+  from pallas_rs import tuning  # pylint: disable=g-import-not-at-top
+
+  devices = jax.devices()
+  d = FLAGS.num_devices or len(devices)
+  if d > len(devices):
+    raise app.UsageError(f"--num_devices={d} but {len(devices)} devices")
+  if case.k % d or case.m % d:
+    logging.warning("%s: skip, m=%d and k=%d must be divisible by D=%d",
+                    case.name, case.m, case.k, d)
+    return [], []
+  m, n, k_shard = case.m, case.n, case.k // d
+  mesh = jax.sharding.Mesh(np.array(devices[:d]), (AXIS,))
+  x_spec, w_spec, out_spec = P(None, AXIS), P(AXIS, None), P(AXIS, None)
+
+  @functools.partial(jax.jit, out_shardings=(NamedSharding(mesh, x_spec),
+                                             NamedSharding(mesh, w_spec)))
+  def gen(key):
+    kx, kw = jax.random.split(key)
+    x = jax.random.normal(kx, (m, case.k), jnp.float32).astype(jnp.bfloat16)
+    w = (jax.random.normal(kw, (case.k, n), jnp.float32)
+         / case.k ** 0.5).astype(jnp.bfloat16)
+    return x, w
+
+  x, w = gen(jax.random.key(FLAGS.seed))
+
+  def smap(body):
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(x_spec, w_spec),
+                                 out_specs=out_spec, check_vma=False))
+
+  ref = smap(lambda a, b: lax.psum_scatter(
+      jnp.dot(a, b, preferred_element_type=jnp.float32, precision="highest"),
+      AXIS, scatter_dimension=0, tiled=True))(x, w)
+  seq = smap(functools.partial(reference.matmul_reduce_scatter, axis_name=AXIS))
+  records = [time_candidate("xla_seq", seq, (x, w), ref, num_devices=d,
+                            xla_err=None)]
+  xla = records[0]
+  for cfg in tuning.candidate_configs(m=m, n=n, k_shard=k_shard, num_devices=d,
+                                      max_configs=FLAGS.max_configs):
+    fn = smap(functools.partial(fused.fused_matmul_reduce_scatter, axis_name=AXIS,
+                                num_devices=d, config=cfg))
+    records.append(time_candidate("fused", fn, (x, w), ref, num_devices=d,
+                                  xla_err=xla["max_rel_error"], cfg=cfg))
+  for r in records:
+    r.update(case=case.name, num_devices=d, m=m, n=n, k_shard=k_shard,
+             mode="multi_gpu")
+  entry = _gate_entry(
+      gpu_kind=env["device_kind"], d=d, m=m, n=n, k_shard=k_shard,
+      best=_best(records[1:]), xla=xla, env=env, mode="multi_gpu",
+      measured_with=(f"experiments/autotune.py --mode=multi_gpu: fused under "
+                     f"shard_map vs jnp.dot + psum_scatter (T_seq) on {d} GPUs, "
+                     f"{xla['timer']} step time (max over devices), "
+                     f"{FLAGS.iterations} iterations"))
+  return records, [entry]
+
+
+# ---------------------------------------------------------------------------
+# Main.
+# ---------------------------------------------------------------------------
+
+
+def select_cases():
+  from pallas_rs import shapes  # pylint: disable=g-import-not-at-top
+  cases = shapes.select(tags=FLAGS.tags, names=FLAGS.names)
+  if not cases:
+    raise app.UsageError(f"no shapes match --tags={FLAGS.tags} --names={FLAGS.names}")
+  return cases
+
+
+def format_summary(entries: list[dict]) -> str:
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from pallas_rs import tuning  # pylint: disable=g-import-not-at-top
+  lines = [f"{'mode':<10} {'D':>2} {'m':>6} {'n':>5} {'k_shard':>7} "
+           f"{'xla_us':>9} {'fused_us':>9} {'x':>6}  {'config':<16} choice"]
+  for e in entries:
+    k = e["key"]
+    f, x = e["times_us"]["fused"], e["times_us"]["xla"]
+    fm = float(np.median(f)) if f else float("nan")
+    xm = float(np.median(x)) if x else float("nan")
+    cfg = tuning.config_from_json(e["config"]) if e["config"] else None
+    lines.append(f"{e['mode']:<10} {k['num_devices']:>2} {k['m']:>6} {k['n']:>5} "
+                 f"{k['k_shard']:>7} {xm:>9.1f} {fm:>9.1f} {xm / fm:>6.2f}  "
+                 f"{_short(cfg):<16} {e['implementation']}")
+  return "\n".join(lines)
+
+
+def dry_run(cases) -> None:
+  from pallas_rs import tuning  # pylint: disable=g-import-not-at-top
+  total = 0
+  for case in cases:
+    if FLAGS.mode == "single_gpu":
+      m, k_shard, d = case.m, case.k_shard, 1
+    else:
+      d = FLAGS.num_devices or case.num_devices
+      m, k_shard = case.m, case.k // d
+    cfgs = tuning.candidate_configs(m=m, n=case.n, k_shard=k_shard, num_devices=d,
+                                    max_configs=FLAGS.max_configs)
+    total += len(cfgs) + 1
+    print(f"{case.name} (D={d}, m={m}, n={case.n}, k_shard={k_shard}): "
+          + " ".join(_short(c) for c in cfgs))
+  loop = 3 * len(cases) if FLAGS.mode == "single_gpu" and FLAGS.loopback else 0
+  print(f"{len(cases)} shapes, {total} timed functions (+ up to {loop} loopback)")
+
+
+def main(argv: Sequence[str]) -> int:
+  if FLAGS.mode == "multi_gpu":
+    nvls = os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    if nvls != "0":
+      raise app.UsageError(f"NCCL_NVLS_ENABLE={nvls!r}: NVLink multicast must "
+                           "stay off for the baselines; unset it or set it to 0")
+  cases = select_cases()
+  if FLAGS.dry_run:
+    dry_run(cases)
+    return 0
+  import jax  # pylint: disable=g-import-not-at-top
+  if jax.default_backend() != "gpu":
+    raise app.UsageError(f"autotune needs GPUs, backend is {jax.default_backend()!r}"
+                         " (--dry_run lists the candidates on any machine)")
+  env = environment(argv)
+  stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+  out = Path(FLAGS.out or _REPO / "experiments" / "results" /
+             f"autotune_{FLAGS.mode}_{stamp}.json")
+  tune = tune_single_gpu if FLAGS.mode == "single_gpu" else tune_multi_gpu
+  records, entries = [], []
+  for i, case in enumerate(cases):
+    logging.info("[%d/%d] %s", i + 1, len(cases), case.name)
+    recs, ents = tune(case, env)
+    records += recs
+    entries += ents
+    # After every shape, so that a crash keeps what was measured.
+    _write_json(out, {"env": env, "flags": FLAGS.flags_into_string(),
+                      "records": records, "entries": entries})
+    _merge_into_table(FLAGS.table, ents)
+  print(format_summary(entries))
+  print(f"raw records: {out}")
+  if FLAGS.table:
+    print(f"table: {FLAGS.table} ({len(entries)} entries merged)")
+  return 0
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,347 @@
+r"""Benchmark of one sequence-parallel Llama-style block (pallas_rs.model).
+
+Times the block's forward pass and forward+backward (loss = mean square of the
+output; gradients of all parameters and of the input) for each of
+`--implementations` ("xla", "fused", "auto"; the row-parallel o_proj/down_proj
+via `pallas_rs.matmul_reduce_scatter`, the column-parallel QKV/gate_up via
+`pallas_rs.ag_matmul`), plus "no_comm": the same block with every collective
+replaced by a local op of the same shapes (all_gather -> jnp.tile,
+psum_scatter -> dynamic slice of the local product; numerically meaningless).
+
+Figures per (model, m, D, pass, implementation):
+  step_us            the step time (see "Which time" below).
+  exposed_comm_us    T(impl) - T(no_comm): communication the block still
+                     waits for (for "xla": the baseline's exposed
+                     communication); exposed_comm_share = that / T(impl).
+  speedup_vs_xla     T(xla) / T(impl), end to end for the block.
+Which time: on GPU, `host_batch_us` of `pallas_rs.timing.time_function`
+(wall clock of back-to-back iterations / iterations): overlapping streams are
+counted once, which is what "exposed" needs; the CUPTI step time (per-kernel
+sums, overstated when NCCL overlaps compute on another stream) is recorded too
+(`timing`). On CPU, the median host wall clock per call: NO PERFORMANCE CLAIMS.
+
+Modes (`--mode`):
+  smoke       CPU, 8 forced host devices, tiny widths; checks that every
+              implementation runs and agrees with "xla". No performance claims.
+  multi_gpu   D = --num_devices (default: all visible) GPUs, real widths.
+  single_gpu  one GPU, D = 1 mesh holding ONE device's share of a D-way
+              (--num_devices, default 8) block: heads/D, kv_heads/D, ffn/D,
+              all M tokens; no collectives (the compute floor per device).
+
+An implementation that raises NotImplementedError is recorded as
+"unavailable: <reason>" (never timed); what "auto" resolved to for each of the
+four matmuls is in the record's `resolved` block.
+
+Each timed implementation's output (and, for forward_backward, loss and
+gradients) is compared with "xla" on the same inputs: `check.max_rel_error`,
+normwise max over all outputs; passes at 3e-2 (forward) / 6e-2 (gradients), a
+sanity bound for bf16 (a few roundings of u = 2^-8 per layer), not a
+numerics claim.
+
+  python experiments/model_bench.py --mode=smoke
+  NCCL_NVLS_ENABLE=0 python experiments/model_bench.py --mode=multi_gpu \
+      --model=llama70b --m=2048,8192 --iterations=50
+  python experiments/model_bench.py --mode=single_gpu --model=mixtral8x22b
+
+Flags shared with experiments/matmul_rs_bench.py are re-defined here
+(allow_override): that module is imported for its environment helpers
+(`configure_environment`, `environment_block`), which registers its flags.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+import datetime
+import functools
+import json
+from pathlib import Path
+import sys
+from typing import Any
+
+from absl import app
+from absl import flags
+from absl import logging
+import numpy as np
+
+_HERE = Path(__file__).resolve().parent
+for _path in (_HERE.parent, _HERE):
+  if str(_path) not in sys.path:
+    sys.path.insert(0, str(_path))
+
+import matmul_rs_bench  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+# No jax at module level: smoke mode's XLA_FLAGS must be set first.
+
+AXIS = "tp"
+MODES = ("smoke", "single_gpu", "multi_gpu")
+IMPLEMENTATIONS = ("xla", "fused", "auto")
+NO_COMM = "no_comm"
+PASSES = ("forward", "forward_backward")
+# Widths (design.md section 3); Mixtral: one dense expert stands in for the MoE.
+MODELS = {
+    "llama70b": dict(hidden=8192, heads=64, kv_heads=8, head_dim=128,
+                     ffn=28672),
+    "mixtral8x22b": dict(hidden=6144, heads=48, kv_heads=8, head_dim=128,
+                         ffn=16384),
+}
+SMOKE_DIMS = dict(hidden=256, heads=16, kv_heads=8, head_dim=16, ffn=512)
+SMOKE_MS = (64, 256)
+GPU_MS = (2048, 8192)
+CHECK_TOL = {"forward": 3e-2, "forward_backward": 6e-2}
+SMOKE_ITERATIONS = 5
+
+FLAGS = flags.FLAGS
+_OVERRIDE = dict(allow_override=True)
+flags.DEFINE_enum("mode", "smoke", MODES, "What to run; see the module doc.",
+                  **_OVERRIDE)
+flags.DEFINE_enum("model", "llama70b", tuple(MODELS), "Model widths "
+                  "(smoke mode uses tiny widths whatever this says).")
+flags.DEFINE_list("m", None, f"Global token counts M; default {GPU_MS} on "
+                  f"GPU, {SMOKE_MS} in smoke mode.", **_OVERRIDE)
+flags.DEFINE_integer("num_devices", None, "D. multi_gpu: default all visible "
+                     "GPUs; smoke: default 8; single_gpu: the D whose "
+                     "per-device share is run (default 8).", **_OVERRIDE)
+flags.DEFINE_list("implementations", ",".join(IMPLEMENTATIONS),
+                  f"Among {IMPLEMENTATIONS}; xla and no_comm always run.",
+                  **_OVERRIDE)
+flags.DEFINE_list("passes", ",".join(PASSES), f"Among {PASSES}.")
+flags.DEFINE_integer("iterations", 50, "Timed iterations (smoke: "
+                     f"{SMOKE_ITERATIONS} unless given).", **_OVERRIDE)
+flags.DEFINE_integer("warmup", 2, "Untimed calls after compilation.",
+                     **_OVERRIDE)
+flags.DEFINE_enum("timer", "auto", ("auto", "cupti", "host_wall_clock"),
+                  "auto: cupti on GPU, host wall clock on CPU.", **_OVERRIDE)
+flags.DEFINE_enum("attention", "xla", ("xla", "cudnn"), "jax.nn."
+                  "dot_product_attention implementation (cudnn: GPU only).")
+flags.DEFINE_string("out", "", "JSON output path; default experiments/results/"
+                    "model_<mode>_<UTC date>.json.", **_OVERRIDE)
+flags.DEFINE_integer("seed", 0, "PRNG seed.", **_OVERRIDE)
+flags.DEFINE_bool("keep_going", False, "Record unexpected exceptions as "
+                  "'failed: ...' and continue (exit code 1).", **_OVERRIDE)
+
+
+def _dims(mode: str, num_devices: int) -> dict[str, int]:
+  dims = dict(SMOKE_DIMS if mode == "smoke" else MODELS[FLAGS.model])
+  if mode == "single_gpu":  # One device's share of a num_devices-way block.
+    for key in ("heads", "kv_heads", "ffn"):
+      dims[key] //= num_devices
+  return dims
+
+
+def _max_rel_error(out, ref) -> float:
+  from pallas_rs import reference  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  errs = [reference.max_rel_error(np.asarray(a, np.float64),
+                                  np.asarray(b, np.float64))
+          for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref))]
+  return max(errs)
+
+
+def _resolved(dims, m: int, d: int, implementation: str) -> dict[str, str]:
+  """What each matmul of the block runs for `implementation` (before tracing)."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from pallas_rs import ag_matmul  # pylint: disable=g-import-not-at-top
+  from pallas_rs import api  # pylint: disable=g-import-not-at-top
+  if implementation == NO_COMM:
+    return {}
+  hq, hkv = dims["heads"] // d, dims["kv_heads"] // d
+  hidden, hd, f_shard = dims["hidden"], dims["head_dim"], dims["ffn"] // d
+  ag_impl = "xla" if implementation == "xla" else "auto"
+  out = {}
+  for name, n in (("qkv", (hq + 2 * hkv) * hd), ("gate_up", 2 * f_shard)):
+    try:
+      impl, _, reason = ag_matmul.choose_implementation(
+          m_shard=m // d, k=hidden, n=n, dtype=jnp.bfloat16,
+          out_dtype=jnp.bfloat16, num_devices=d, gather_dimension=0,
+          implementation=ag_impl)
+      out[name] = impl if reason is None else f"{impl} ({reason})"
+    except NotImplementedError as e:
+      out[name] = f"unavailable ({e})"
+  for name, k_shard in (("o_proj", hq * hd), ("down_proj", f_shard)):
+    try:
+      impl, _, reason = api._choose_implementation(  # pylint: disable=protected-access
+          m=m, k_shard=k_shard, n=hidden, dtype=jnp.bfloat16, num_devices=d,
+          scatter_dimension=0, implementation=implementation, config=None)
+      out[name] = impl if reason is None else f"{impl} ({reason})"
+    except NotImplementedError as e:
+      out[name] = f"unavailable ({e})"
+  return out
+
+
+def _functions(mesh, dims, implementation):
+  import jax  # pylint: disable=g-import-not-at-top
+  from pallas_rs import model  # pylint: disable=g-import-not-at-top
+  kw = dict(heads=dims["heads"], kv_heads=dims["kv_heads"],
+            implementation=implementation,
+            attention_implementation=FLAGS.attention)
+  forward = model.make_block_fn(mesh, AXIS, **kw)
+  loss = model.make_loss_fn(mesh, AXIS, **kw)
+  return {"forward": forward,
+          "forward_backward": jax.jit(jax.value_and_grad(loss,
+                                                         argnums=(0, 1)))}
+
+
+def _inputs(mesh, dims, m: int, d: int, seed: int):
+  """Params and h generated in their shardings (bf16)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
+  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  from pallas_rs import model  # pylint: disable=g-import-not-at-top
+  shardings = jax.tree.map(lambda s: NamedSharding(mesh, s),
+                           model.param_specs(AXIS))
+  init = functools.partial(model.init_params, num_devices=d,
+                           dtype=jnp.bfloat16, **dims)
+  params = jax.jit(init, out_shardings=shardings)(jax.random.key(seed))
+  h = jax.jit(lambda k: jax.random.normal(k, (m, dims["hidden"]),
+                                          jnp.bfloat16),
+              out_shardings=NamedSharding(mesh, P(AXIS, None)))(
+                  jax.random.key(seed + 1))
+  return params, h
+
+
+def _step_us(record) -> float | None:
+  if record["status"] != "ok":
+    return None
+  timing = record["timing"]
+  return timing["host_batch_us"] or timing["stats"]["median"]
+
+
+def sweep(mode: str, implementations: Sequence[str]) -> list[dict[str, Any]]:
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax.sharding import Mesh  # pylint: disable=g-import-not-at-top
+  from pallas_rs import timing as timing_lib  # pylint: disable=g-import-not-at-top
+
+  devices = jax.devices()
+  if mode == "single_gpu":
+    share_of, d = FLAGS.num_devices or 8, 1
+  else:
+    d = FLAGS.num_devices or (8 if mode == "smoke" else len(devices))
+    share_of = d
+  if d > len(devices):
+    raise app.UsageError(f"--num_devices={d} > {len(devices)} visible devices")
+  mesh = Mesh(np.array(devices[:d]), (AXIS,))
+  dims = _dims(mode, share_of)
+  ms = [int(v) for v in FLAGS.m] if FLAGS.m else (
+      SMOKE_MS if mode == "smoke" else GPU_MS)
+  iterations = FLAGS.iterations
+  if mode == "smoke" and not FLAGS["iterations"].present:
+    iterations = SMOKE_ITERATIONS
+  timer = timing_lib.resolve_timer(FLAGS.timer)
+  claims = timer != "host_wall_clock"
+  order = ["xla", NO_COMM] + [i for i in implementations if i != "xla"]
+  records = []
+  for m in ms:
+    if m % d:
+      raise app.UsageError(f"m={m} must be divisible by num_devices={d}")
+    params, h = _inputs(mesh, dims, m, d, FLAGS.seed)
+    shape = {"model": "smoke" if mode == "smoke" else FLAGS.model, "m": m,
+             "num_devices": d, "share_of_num_devices": share_of,
+             "dtype": "bfloat16", "attention": FLAGS.attention, **dims}
+    for pass_name in FLAGS.passes:
+      outputs: dict[str, Any] = {}
+      by_impl: dict[str, dict[str, Any]] = {}
+      for impl in order:
+        record = {"mode": mode, "shape": shape, "pass": pass_name,
+                  "implementation": impl, "status": "ok", "timer": None,
+                  "performance_claims": False, "timing": None, "check": None,
+                  "metrics": None, "resolved": _resolved(dims, m, d, impl),
+                  "notes": []}
+        if impl == NO_COMM:
+          record["notes"].append("collectives replaced by local tile/slice: "
+                                 "numerically meaningless, timing only")
+        try:
+          fn = _functions(mesh, dims, impl)[pass_name]
+          t = timing_lib.time_function(fn, (params, h), iterations=iterations,
+                                       warmup=FLAGS.warmup, timer=timer,
+                                       num_devices=d)
+          outputs[impl] = jax.device_get(fn(params, h))
+          record.update(timer=t.timer, performance_claims=claims,
+                        timing=t.to_json())
+          if not claims:
+            record["notes"].append(matmul_rs_bench.NO_CLAIMS)
+        except NotImplementedError as e:
+          record["status"] = f"unavailable: {e}"
+        except Exception as e:  # pylint: disable=broad-except
+          if not FLAGS.keep_going:
+            raise
+          logging.exception("%s m=%d %s", impl, m, pass_name)
+          record["status"] = f"failed: {type(e).__name__}: {e}"
+        if impl not in ("xla", NO_COMM) and impl in outputs:
+          err = _max_rel_error(outputs[impl], outputs["xla"])
+          record["check"] = {"max_rel_error": err, "reference": "xla block",
+                             "tolerance": CHECK_TOL[pass_name],
+                             "passed": err <= CHECK_TOL[pass_name]}
+        by_impl[impl] = record
+        records.append(record)
+      t_xla, t_local = _step_us(by_impl["xla"]), _step_us(by_impl[NO_COMM])
+      for impl, record in by_impl.items():
+        t_impl = _step_us(record)
+        if impl == NO_COMM or t_impl is None:
+          continue
+        exposed = None if t_local is None else t_impl - t_local
+        record["metrics"] = {
+            "step_us": t_impl,
+            "step_time_source": ("host_batch_us" if record["timing"]
+                                 ["host_batch_us"] else "median times_us"),
+            "no_comm_step_us": t_local,
+            "exposed_comm_us": exposed,
+            "exposed_comm_share": None if exposed is None else exposed / t_impl,
+            "speedup_vs_xla": None if t_xla is None else t_xla / t_impl,
+        }
+  return records
+
+
+def format_table(records) -> str:
+  lines = [f"{'m':>6} {'D':>2} {'pass':<16} {'impl':<8} {'step_us':>10} "
+           f"{'exposed%':>8} {'vs xla':>7} {'err':>8}  status"]
+  for r in records:
+    met, chk = r["metrics"] or {}, r["check"] or {}
+    step = met.get("step_us") or (
+        r["timing"]["stats"]["median"] if r["timing"] else None)
+    share = met.get("exposed_comm_share")
+    lines.append(
+        f"{r['shape']['m']:>6} {r['shape']['num_devices']:>2} {r['pass']:<16} "
+        f"{r['implementation']:<8} "
+        f"{'-' if step is None else f'{step:.1f}':>10} "
+        f"{'-' if share is None else f'{100 * share:.1f}':>8} "
+        f"{'-' if met.get('speedup_vs_xla') is None else format(met['speedup_vs_xla'], '.3f'):>7} "
+        f"{'-' if 'max_rel_error' not in chk else format(chk['max_rel_error'], '.1e'):>8}"
+        f"  {r['status'][:90]}")
+  return "\n".join(lines)
+
+
+def main(argv: Sequence[str]) -> int:
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments {argv[1:]}")
+  mode = matmul_rs_bench.configure_environment(FLAGS.mode)
+  implementations = list(FLAGS.implementations)
+  bad = set(implementations) - set(IMPLEMENTATIONS)
+  if bad:
+    raise app.UsageError(f"--implementations: {sorted(bad)} not in "
+                         f"{IMPLEMENTATIONS}")
+  import jax  # pylint: disable=g-import-not-at-top
+  if mode == "smoke" and jax.default_backend() != "cpu":
+    raise app.UsageError("smoke mode runs on CPU (JAX_PLATFORMS=cpu)")
+  records = sweep(mode, implementations)
+  doc = {"schema_version": 1, "benchmark": "model_bench",
+         "environment": matmul_rs_bench.environment_block(sys.argv),
+         "flags": {name: FLAGS[name].value for name in (
+             "mode", "model", "m", "num_devices", "implementations", "passes",
+             "iterations", "warmup", "timer", "attention", "seed")},
+         "records": records}
+  out = Path(FLAGS.out) if FLAGS.out else (
+      _HERE / "results" / f"model_{mode}_"
+      f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}.json")
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps(matmul_rs_bench._sanitize(doc), indent=1))  # pylint: disable=protected-access
+  print(format_table(records))
+  if mode == "smoke":
+    print("host wall clock on CPU: NO PERFORMANCE CLAIMS")
+  print(f"wrote {out}")
+  failed = [r for r in records if r["status"].startswith("failed")]
+  checks = [r for r in records if r["check"] and not r["check"]["passed"]]
+  return 1 if failed or checks else 0
+
+
+if __name__ == "__main__":
+  app.run(main)

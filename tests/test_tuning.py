@@ -1,0 +1,376 @@
+"""pallas_rs.tuning: table lookup, heuristic, defaults, overrides, schema (CPU)."""
+import copy
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import pytest
+
+from pallas_rs import api
+from pallas_rs import config as config_lib
+from pallas_rs import fused
+from pallas_rs import tuning
+
+H200 = "NVIDIA H200"
+# A llama70b o_proj-like family at D = 8: n = 8192, k_shard = 1024.
+N, K_SHARD = 8192, 1024
+
+
+def _entry(m, implementation="fused", *, d=8, n=N, k_shard=K_SHARD, gpu_kind=H200,
+           cfg=None, mode=None, fused_us=(10.0, 11.0), xla_us=(12.0, 13.0)):
+  if cfg is None and implementation == "fused":
+    cfg = config_lib.default_config(m=m, n=n, k_shard=k_shard, num_devices=d)
+  entry = {
+      "key": {"gpu_kind": gpu_kind, "num_devices": d, "m": m, "n": n,
+              "k_shard": k_shard, "dtype": "bfloat16"},
+      "implementation": implementation,
+      "config": tuning.config_to_json(cfg) if cfg is not None else None,
+      "times_us": {"fused": list(fused_us), "xla": list(xla_us)},
+      "env": {"jax_version": "test"},
+      "measured_with": "tests/test_tuning.py",
+  }
+  if mode is not None:
+    entry["mode"] = mode
+  return entry
+
+
+def _table(*entries):
+  return {"schema_version": 1, "entries": list(entries)}
+
+
+def _choose(m, *, d=8, n=N, k_shard=K_SHARD, dtype="bfloat16", gpu_kind=H200, **kw):
+  return tuning.choose(m=m, n=n, k_shard=k_shard, dtype=dtype, num_devices=d,
+                       gpu_kind=gpu_kind, **kw)
+
+
+@pytest.fixture(autouse=True)
+def _no_env_table(monkeypatch):
+  monkeypatch.delenv(tuning.ENV_VAR, raising=False)
+
+
+# ---------------------------------------------------------------------------
+# Lookup order.
+# ---------------------------------------------------------------------------
+
+
+def test_exact_hit_uses_table_config_and_gate():
+  cfg = config_lib.Config(tile_m=64, tile_n=64, max_concurrent_steps=3)
+  table = _table(_entry(4096, cfg=cfg), _entry(16384, "xla"))
+  d = _choose(4096, table=table)
+  assert (d.implementation, d.config, d.source) == ("fused", cfg, "table")
+  assert "fused median 10.5 us" in d.reason and "4096" in d.reason
+  d = _choose(16384, table=table)
+  assert (d.implementation, d.source) == ("xla", "table")
+  # gpu_kind matches case- and whitespace-insensitively; another GPU does not.
+  assert _choose(4096, table=table, gpu_kind="nvidia  h200").source == "table"
+  assert _choose(4096, table=table, gpu_kind="NVIDIA H100 80GB HBM3").source == "default"
+
+
+def test_heuristic_nearest_m_in_log_distance():
+  small = config_lib.Config(tile_m=64, tile_n=128, max_concurrent_steps=3)
+  table = _table(_entry(1024, cfg=small), _entry(65536, "xla"))
+  # log-distance: 4096 is 2 octaves from 1024, 4 from 65536.
+  d = _choose(4096, table=table)
+  assert (d.implementation, d.config, d.source) == ("fused", small, "heuristic")
+  assert "nearest measured shape m=1024" in d.reason and "roofline" in d.reason
+  d = _choose(32768, table=table)
+  assert (d.implementation, d.source) == ("xla", "heuristic")
+  assert d.config == config_lib.default_config(m=32768, n=N, k_shard=K_SHARD,
+                                               num_devices=8)
+  # Same (gpu_kind, D, n, k_shard) only: another k_shard or D is no neighbour.
+  assert _choose(4096, table=table, k_shard=2048).source == "default"
+  assert _choose(4096, table=table, d=4).source == "default"
+
+
+def test_heuristic_revalidates_config_and_falls_through():
+  # tile_m=128 measured at m=8192 (chunk 1024) cannot tile m=512 (chunk 64).
+  big = config_lib.Config(tile_m=128, tile_n=128)
+  d = _choose(512, table=_table(_entry(8192, cfg=big)))
+  assert (d.implementation, d.source) == ("xla", "default")
+  assert "does not fit" in d.reason
+  assert d.config == config_lib.default_config(m=512, n=N, k_shard=K_SHARD,
+                                               num_devices=8)
+
+
+def test_exact_entry_with_unfit_config_falls_through_to_heuristic():
+  big = config_lib.Config(tile_m=128, tile_n=128)
+  ok = config_lib.Config(tile_m=64, tile_n=128)
+  table = _table(_entry(512, cfg=big), _entry(1024, cfg=ok))
+  d = _choose(512, table=table)
+  assert (d.implementation, d.config, d.source) == ("fused", ok, "heuristic")
+
+
+@pytest.mark.parametrize("d", [1, 2, 8])
+def test_default_is_xla_without_measurement(d):
+  dec = _choose(8192, d=d, table=tuning.empty_table())
+  assert (dec.implementation, dec.source) == ("xla", "default")
+  assert "no measurement" in dec.reason
+  assert dec.config == config_lib.default_config(m=8192, n=N, k_shard=K_SHARD,
+                                                 num_devices=d)
+
+
+def test_loopback_entries_never_gate():
+  table = _table(_entry(4096, mode="loopback"))
+  dec = _choose(4096, table=table)
+  assert (dec.implementation, dec.source) == ("xla", "default")
+  dec = _choose(2048, table=table)
+  assert dec.source == "default"
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(m=256), "below the smallest tile"),              # m // 8 = 32 rows
+    (dict(m=8 * 96), "not a multiple of 64"),              # chunk 96
+    (dict(m=4096, k_shard=1000), "k_shard=1000"),
+    (dict(m=4096, n=8200), "n=8200"),
+    (dict(m=4096, dtype=jnp.float32), "float32"),
+    (dict(m=4096, d=16), "num_devices=16"),
+])
+def test_unsupported_shapes_are_xla_with_reason(kw, match):
+  table = _table(_entry(4096))  # even a measured fused neighbour does not help
+  dec = _choose(**kw, table=table)
+  assert (dec.implementation, dec.config, dec.source) == ("xla", None, "default")
+  assert match in dec.reason
+
+
+def test_explicit_config_overrides():
+  cfg = config_lib.Config(tile_m=64, tile_n=64)
+  dec = _choose(4096, table=tuning.empty_table(), config=cfg)
+  assert (dec.implementation, dec.config, dec.source) == ("fused", cfg, "override")
+  big = config_lib.Config(tile_m=128)
+  dec = _choose(512, table=tuning.empty_table(), config=big)
+  assert (dec.implementation, dec.source) == ("xla", "override")
+  assert "does not fit" in dec.reason
+
+
+# ---------------------------------------------------------------------------
+# Defaults and candidates: valid, within SMEM, and they lower for CUDA.
+# ---------------------------------------------------------------------------
+
+_SEED_LIKE = [(m, n, k) for n, k in ((8192, 1024), (8192, 3584), (6144, 768),
+                                     (6144, 2048))
+              for m in (512, 2048, 8192, 32768)]
+
+
+@pytest.mark.parametrize("d", [1, 2, 4, 8])
+def test_defaults_and_candidates_valid_within_smem(d):
+  for m, n, k_shard in _SEED_LIKE:
+    dec = _choose(m, d=d, n=n, k_shard=k_shard, table=tuning.empty_table())
+    assert dec.config is not None and dec.config.fits_smem(d), (m, n, k_shard, d)
+    dec.config.check_shape(m=m, n=n, k_shard=k_shard, num_devices=d)
+    cands = tuning.candidate_configs(m=m, n=n, k_shard=k_shard, num_devices=d,
+                                     max_configs=6)
+    assert cands[0] == dec.config
+    assert len(set(cands)) == len(cands) == 6
+    for c in cands:
+      assert c.fits_smem(d)
+      c.check_shape(m=m, n=n, k_shard=k_shard, num_devices=d)
+
+
+def test_candidates_vary_one_field_each_first():
+  cands = tuning.candidate_configs(m=8192, n=N, k_shard=K_SHARD, num_devices=1,
+                                   max_configs=6)
+  base = cands[0]
+  changed = []
+  for c in cands[1:]:
+    diff = [f.name for f in dataclasses.fields(c)
+            if getattr(c, f.name) != getattr(base, f.name)]
+    assert len(diff) == 1, diff
+    changed.append(diff[0])
+  assert changed == ["tile_m", "tile_n", "grid_minor_dim", "grid_tile_width",
+                     "max_concurrent_steps"]
+  # Deterministic and uncapped is the whole (deduplicated) search space.
+  assert tuning.candidate_configs(m=8192, n=N, k_shard=K_SHARD, num_devices=1,
+                                  max_configs=6) == cands
+
+
+def test_adapt_config_for_loopback():
+  cfg = config_lib.Config(tile_m=128, tile_n=128, max_concurrent_steps=4, recv_stages=1)
+  out = tuning.adapt_config(cfg, m=512, n=N, k_shard=K_SHARD, num_devices=8)
+  assert out.tile_m == 64 and out.recv_stages == 2 and out.fits_smem(8)
+
+
+def _export_local(cfg, m, n, k):
+  sds = jax.ShapeDtypeStruct
+  return jax.export.export(
+      jax.jit(lambda a, b: fused.local_matmul(a, b, config=cfg)),
+      platforms=["cuda"])(sds((m, k), jnp.bfloat16), sds((k, n), jnp.bfloat16))
+
+
+@pytest.mark.parametrize("m,n,k_shard", [(512, 8192, 1024), (2048, 6144, 768)])
+def test_default_and_first_candidates_lower_for_cuda_d1(m, n, k_shard):
+  for cfg in tuning.candidate_configs(m=m, n=n, k_shard=k_shard, num_devices=1,
+                                      max_configs=3):
+    exp = _export_local(cfg, m, n, k_shard)
+    assert "pallas_rs_local_matmul" in exp.mlir_module()
+
+
+@pytest.mark.parametrize("m,n,k_shard", [(512, 8192, 1024), (4096, 6144, 768)])
+def test_default_lowers_for_cuda_d8_shard_map(m, n, k_shard):
+  d = 8
+  cfg = _choose(m, d=d, n=n, k_shard=k_shard, table=tuning.empty_table()).config
+  mesh = jax.make_mesh((d,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
+  f = jax.jit(jax.shard_map(
+      lambda x, w: fused.fused_matmul_reduce_scatter(x, w, axis_name="tp",
+                                                     num_devices=d, config=cfg),
+      mesh=mesh, in_specs=(P(None, "tp"), P("tp", None)),
+      out_specs=P("tp", None), check_vma=False))
+  x = jax.ShapeDtypeStruct((m, k_shard * d), jnp.bfloat16,
+                           sharding=NamedSharding(mesh, P(None, "tp")))
+  w = jax.ShapeDtypeStruct((k_shard * d, n), jnp.bfloat16,
+                           sharding=NamedSharding(mesh, P("tp", None)))
+  exp = jax.export.export(f, platforms=["cuda"])(x, w)
+  assert exp.out_avals[0].shape == (m, n)
+
+
+# ---------------------------------------------------------------------------
+# Table I/O, merge, schema.
+# ---------------------------------------------------------------------------
+
+
+def test_packaged_table_is_valid_and_empty():
+  table = tuning.load_table(tuning.PACKAGED_TABLE_PATH)
+  assert table["schema_version"] == 1
+  assert isinstance(table["entries"], list)
+
+
+def test_round_trip_and_merge(tmp_path):
+  cfg = config_lib.Config(tile_m=64, tile_n=64, grid_minor_dim=config_lib.MatmulDimension.M,
+                          grid_tile_width=4)
+  old = _table(_entry(1024, cfg=cfg), _entry(4096, "xla"), _entry(4096, mode="loopback"))
+  path = tmp_path / "t.json"
+  tuning.save_table(path, old)
+  loaded = tuning.load_table(path)
+  assert tuning.config_from_json(loaded["entries"][0]["config"]) == cfg
+  assert sorted(json.dumps(e, sort_keys=True) for e in loaded["entries"]) == sorted(
+      json.dumps(e, sort_keys=True) for e in old["entries"])
+  new = _table(_entry(4096, fused_us=(1.0,)), _entry(8192, "xla"))
+  merged = tuning.merge_entries(loaded, new)
+  by_key = {(e["key"]["m"], tuning.entry_mode(e)): e for e in merged["entries"]}
+  assert set(by_key) == {(1024, "multi_gpu"), (4096, "multi_gpu"), (4096, "loopback"),
+                         (8192, "multi_gpu")}
+  assert by_key[(4096, "multi_gpu")]["implementation"] == "fused"  # replaced
+  assert by_key[(4096, "loopback")] == old["entries"][2]            # kept
+  assert loaded == tuning.load_table(path)  # inputs not modified
+
+
+def _mutate(fn):
+  table = _table(_entry(4096))
+  fn(table)
+  return table
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda t: t.update(schema_version=2), "schema_version=2"),
+    (lambda t: t.pop("entries"), "'entries' list"),
+    (lambda t: t.update(extra=1), "unknown top-level"),
+    (lambda t: t["entries"][0].pop("times_us"), r"entries\[0\] is missing"),
+    (lambda t: t["entries"][0].update(colour="red"), "unknown fields"),
+    (lambda t: t["entries"][0]["key"].pop("dtype"), "key must have exactly"),
+    (lambda t: t["entries"][0]["key"].update(m="4096"), r"key.m='4096' must be a int"),
+    (lambda t: t["entries"][0]["key"].update(m=0), "must be positive"),
+    (lambda t: t["entries"][0].update(implementation="triton"), "implementation='triton'"),
+    (lambda t: t["entries"][0].update(config=None), "needs a config"),
+    (lambda t: t["entries"][0]["config"].update(tile_m=96), "tile_m=96"),
+    (lambda t: t["entries"][0]["config"].update(tile_q=1), "unknown config fields"),
+    (lambda t: t["entries"][0]["config"].update(grid_minor_dim="K"), "grid_minor_dim"),
+    (lambda t: t["entries"][0]["times_us"].update(xla=[1.0, float("nan")]), "finite"),
+    (lambda t: t["entries"][0].update(mode="fast"), "mode='fast'"),
+    (lambda t: t["entries"][0].update(mode="single_gpu"), "needs num_devices=1"),
+    (lambda t: t["entries"].append(copy.deepcopy(t["entries"][0])),
+     r"entries\[1\] duplicates entries\[0\]"),
+])
+def test_schema_errors(mutate, match):
+  with pytest.raises(ValueError, match=match):
+    tuning.validate_table(_mutate(mutate))
+
+
+def test_load_table_errors_name_the_file(tmp_path):
+  bad = tmp_path / "bad.json"
+  bad.write_text("{not json")
+  with pytest.raises(ValueError, match="bad.json: not valid JSON"):
+    tuning.load_table(bad)
+  bad.write_text(json.dumps({"schema_version": 9, "entries": []}))
+  with pytest.raises(ValueError, match="bad.json: .*schema_version=9"):
+    tuning.load_table(bad)
+
+
+# ---------------------------------------------------------------------------
+# Overrides: env var, context manager.
+# ---------------------------------------------------------------------------
+
+
+def test_env_var_read_at_choose_time(tmp_path, monkeypatch):
+  path = tmp_path / "mine.json"
+  tuning.save_table(path, _table(_entry(4096)))
+  assert _choose(4096).source == "default"  # the packaged table is empty
+  monkeypatch.setenv(tuning.ENV_VAR, str(path))
+  dec = _choose(4096)
+  assert (dec.implementation, dec.source) == ("fused", "table")
+  assert "PALLAS_RS_TUNING_TABLE" in dec.reason
+  # Rewritten file: re-read (cache keyed by mtime and size).
+  tuning.save_table(path, _table(_entry(4096, "xla", xla_us=(1.0, 2.0, 3.0))))
+  assert _choose(4096).implementation == "xla"
+  monkeypatch.setenv(tuning.ENV_VAR, str(tmp_path / "missing.json"))
+  with pytest.raises(ValueError, match="missing.json"):
+    _choose(4096)
+
+
+def test_use_table_is_scoped_and_nests(tmp_path, monkeypatch):
+  path = tmp_path / "env.json"
+  tuning.save_table(path, _table(_entry(4096, "xla")))
+  monkeypatch.setenv(tuning.ENV_VAR, str(path))
+  assert _choose(4096).implementation == "xla"
+  with tuning.use_table(_table(_entry(4096))):
+    assert _choose(4096).implementation == "fused"  # context beats env var
+    with tuning.use_table(tuning.empty_table()):
+      assert _choose(4096).source == "default"
+    assert _choose(4096).implementation == "fused"
+    # An explicit table argument beats the context.
+    assert _choose(4096, table=tuning.empty_table()).source == "default"
+  assert _choose(4096).implementation == "xla"
+  with pytest.raises(ValueError, match="schema_version"):
+    with tuning.use_table({"schema_version": 0, "entries": []}):
+      pass
+
+
+# ---------------------------------------------------------------------------
+# api: "auto" consults the table (without running the kernel).
+# ---------------------------------------------------------------------------
+
+
+def _auto(m, config=None, d=8):
+  return api._choose_implementation(
+      m=m, k_shard=K_SHARD, n=N, dtype=jnp.bfloat16, num_devices=d,
+      scatter_dimension=0, implementation="auto", config=config)
+
+
+def test_api_auto_consults_table(monkeypatch):
+  monkeypatch.setattr(api, "_on_hopper", lambda: True)
+  kind = jax.devices()[0].device_kind
+  cfg = config_lib.Config(tile_m=64, tile_n=128, max_concurrent_steps=3)
+  with tuning.use_table(_table(_entry(4096, cfg=cfg, gpu_kind=kind),
+                               _entry(32768, "xla", gpu_kind=kind))):
+    assert _auto(4096) == ("fused", cfg, None)            # exact
+    assert _auto(2048) == ("fused", cfg, None)            # nearest m
+    impl, config, reason = _auto(32768)
+    assert (impl, config) == ("xla", None) and "tuning (table)" in reason
+    impl, _, reason = _auto(4096, d=4)                    # no entry at D = 4
+    assert impl == "xla" and "tuning (default)" in reason
+    # Explicit config + auto: fused with it where supported (table skipped).
+    mine = config_lib.Config(tile_m=128, tile_n=64)
+    assert _auto(32768, config=mine) == ("fused", mine, None)
+    # ... and the kernel's own NotImplementedError still falls back.
+    impl, _, reason = _auto(512, config=mine)
+    assert impl == "xla" and "tile_m=128" in reason
+  impl, _, reason = _auto(4096)                           # packaged: empty
+  assert impl == "xla" and "no measurement" in reason
+
+
+def test_api_auto_off_hopper_ignores_table(monkeypatch):
+  monkeypatch.setattr(api, "_on_hopper", lambda: False)
+  with tuning.use_table(_table(_entry(4096, gpu_kind=jax.devices()[0].device_kind))):
+    impl, _, reason = _auto(4096)
+  assert impl == "xla" and "Hopper" in reason
