@@ -1,0 +1,149 @@
+"""Correctness and stress of the fused path on real GPUs (issues 7 and 8), in one call.
+
+  NCCL_NVLS_ENABLE=0 PYTHONPATH=. python experiments/multi_gpu_check.py --out=/tmp/mg.json
+
+On >= 2 visible GPUs: the fused path under shard_map (NVLink transport) at D = every power of
+two up to the GPU count, against a float64-accurate reference and the unfused path (jnp.dot +
+psum_scatter) on the same inputs, on all four seed (n, k) pairs at several m (512 included);
+then --stress_calls back-to-back calls with fresh inputs, alternating two shapes, each
+followed immediately by an unrelated XLA collective (psum), every output checked. With one
+GPU the same checks run through the loopback transport (D virtual ranks), labelled so.
+Rule: max relative error <= 1.1x the unfused path's.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import time
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+if os.environ["NCCL_NVLS_ENABLE"] != "0":
+  raise SystemExit("NCCL_NVLS_ENABLE must be 0 (NVLink multicast is forbidden here)")
+
+from absl import app  # pylint: disable=g-import-not-at-top,wrong-import-position
+from absl import flags
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import numpy as np
+
+from pallas_rs import fused
+from pallas_rs import reference
+
+_OUT = flags.DEFINE_string("out", None, "JSON output path.")
+_STRESS = flags.DEFINE_integer("stress_calls", 1000, "Back-to-back calls in the stress run.")
+_MS = flags.DEFINE_list("m", ["512", "2048", "8192"], "Global m values for the correctness run.")
+_AXIS = "tp"
+PAIRS = [(8192, 8192), (8192, 28672), (6144, 6144), (6144, 16384)]  # (n, k)
+
+
+def environment() -> dict:
+  def sh(cmd):
+    try:
+      return subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+      return f"unavailable: {e}"
+  return dict(jax=jax.__version__, devices=[str(d) for d in jax.devices()],
+              device_kind=jax.devices()[0].device_kind, topo=sh(["nvidia-smi", "topo", "-m"]),
+              nccl_env={k: v for k, v in os.environ.items() if k.startswith("NCCL")},
+              xla_flags=os.environ.get("XLA_FLAGS", ""), date=time.strftime("%F %T"))
+
+
+@functools.lru_cache(maxsize=None)
+def _sharded_fns(d: int):
+  mesh = jax.make_mesh((d,), (_AXIS,), devices=jax.devices()[:d])
+  specs = dict(mesh=mesh, in_specs=(P(None, _AXIS), P(_AXIS, None)), out_specs=P(_AXIS, None),
+               check_vma=False)
+  f = functools.partial(fused.fused_matmul_reduce_scatter, axis_name=_AXIS, num_devices=d)
+  u = functools.partial(reference.matmul_reduce_scatter, axis_name=_AXIS)
+
+  def fused_then_collective(x, w):  # An unrelated XLA collective right after the kernel.
+    out = f(x, w)
+    return out, lax.psum(jnp.sum(x.astype(jnp.float32)), _AXIS)
+
+  return (mesh, jax.jit(jax.shard_map(fused_then_collective, **dict(specs, out_specs=(
+      P(_AXIS, None), P())))), jax.jit(jax.shard_map(u, **specs)))
+
+
+def _inputs(seed, d, m, n, k):
+  kx, kw = jax.random.split(jax.random.key(seed))
+  scale = jnp.repeat(1.0 + jnp.arange(d, dtype=jnp.float32) / d, k // d)  # distinct per rank
+  x = (jax.random.normal(kx, (m, k)) * scale).astype(jnp.bfloat16)
+  w = (jax.random.normal(kw, (k, n)) / np.sqrt(k)).astype(jnp.bfloat16)
+  return x, w
+
+
+@jax.jit
+def _errors(out, base, x, w):
+  ref = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+  scale = jnp.max(jnp.abs(ref))
+  err = lambda o: jnp.max(jnp.abs(o.astype(jnp.float32) - ref)) / scale
+  return err(out), err(base)
+
+
+def run_one(d, m, n, k, seed, mode):
+  x, w = _inputs(seed, d, m, n, k)
+  if mode == "nvlink":
+    mesh, f, u = _sharded_fns(d)
+    x = jax.device_put(x, NamedSharding(mesh, P(None, _AXIS)))
+    w = jax.device_put(w, NamedSharding(mesh, P(_AXIS, None)))
+    out, total = f(x, w)
+    base = u(x, w)
+    if not np.isclose(float(total), float(jnp.sum(x.astype(jnp.float32))), rtol=1e-3):
+      raise AssertionError("the XLA collective after the fused kernel gave a wrong sum")
+    out, base = jax.device_get(out), jax.device_get(base)
+    x, w = jax.device_get(x), jax.device_get(w)
+  else:  # One GPU: the same protocol with D virtual ranks.
+    xs = jnp.stack(jnp.split(x, d, axis=1))
+    ws = jnp.stack(jnp.split(w, d, axis=0))
+    out = fused.loopback_matmul_reduce_scatter(xs, ws).reshape(m, n)
+    base = reference.loopback_matmul_reduce_scatter(xs, ws).reshape(m, n)
+  e_f, e_x = (float(e) for e in _errors(jnp.asarray(out), jnp.asarray(base), jnp.asarray(x),
+                                        jnp.asarray(w)))
+  return dict(d=d, m=m, n=n, k=k, mode=mode, err_fused=e_f, err_unfused=e_x,
+              ratio=e_f / e_x, ok=bool(e_f <= 1.1 * e_x))
+
+
+def main(_):
+  num_gpus = len(jax.devices())
+  mode = "nvlink" if num_gpus >= 2 else "loopback"
+  ds = [d for d in (2, 4, 8) if d <= num_gpus] if mode == "nvlink" else [2, 4, 8]
+  rows = []
+  for d in ds:
+    for n, k in PAIRS:
+      for m in map(int, _MS.value):
+        t = time.time()
+        try:
+          r = run_one(d, m, n, k, seed=len(rows), mode=mode)
+        except Exception as e:  # Recorded per case: one failure must not hide the others.
+          r = dict(d=d, m=m, n=n, k=k, mode=mode, ok=False, error=f"{type(e).__name__}: {e}"[:500])
+        r["seconds"] = round(time.time() - t, 2)
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+  d = ds[-1]
+  shapes = [(512, 8192, 8192), (2048, 6144, 16384)]
+  bad, worst, t = [], 0.0, time.time()
+  for i in range(_STRESS.value):
+    m, n, k = shapes[i % 2]
+    r = run_one(d, m, n, k, seed=10_000 + i, mode=mode)
+    worst = max(worst, r["ratio"])
+    if not r["ok"]:
+      bad.append(r)
+  stress = dict(check="stress", d=d, mode=mode, calls=_STRESS.value, shapes=shapes,
+                failures=len(bad), first_failures=bad[:5], worst_ratio=worst,
+                seconds=round(time.time() - t, 1))
+  print(json.dumps(stress), flush=True)
+  print(f"\n{mode}: {sum(r['ok'] for r in rows)}/{len(rows)} correctness cases ok; "
+        f"stress {stress['calls']} calls at D={d}: {stress['failures']} failures, "
+        f"worst error ratio {worst:.3f}")
+  if _OUT.value:
+    with open(_OUT.value, "w") as f:
+      json.dump(dict(env=environment(), correctness=rows, stress=stress), f, indent=1)
+
+
+if __name__ == "__main__":
+  app.run(main)
