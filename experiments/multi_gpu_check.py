@@ -69,8 +69,9 @@ def _sharded_fns(d: int):
       P(_AXIS, None), P())))), jax.jit(jax.shard_map(u, **specs)))
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
 def _inputs(seed, d, m, n, k):
-  kx, kw = jax.random.split(jax.random.key(seed))
+  kx, kw = jax.random.split(jax.random.key(seed))  # seed: traced int
   scale = jnp.repeat(1.0 + jnp.arange(d, dtype=jnp.float32) / d, k // d)  # distinct per rank
   x = (jax.random.normal(kx, (m, k)) * scale).astype(jnp.bfloat16)
   w = (jax.random.normal(kw, (k, n)) / np.sqrt(k)).astype(jnp.bfloat16)
@@ -83,6 +84,16 @@ def _errors(out, base, x, w):
   scale = jnp.max(jnp.abs(ref))
   err = lambda o: jnp.max(jnp.abs(o.astype(jnp.float32) - ref)) / scale
   return err(out), err(base)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _loopback_pair(x, w, d):
+  """Fused loopback and the unfused emulation on one GPU, from global x [m, k], w [k, n]."""
+  m, n = x.shape[0], w.shape[1]
+  xs = jnp.stack(jnp.split(x, d, axis=1))
+  ws = jnp.stack(jnp.split(w, d, axis=0))
+  return (fused.loopback_matmul_reduce_scatter(xs, ws).reshape(m, n),
+          reference.loopback_matmul_reduce_scatter(xs, ws).reshape(m, n))
 
 
 def run_one(d, m, n, k, seed, mode):
@@ -98,10 +109,7 @@ def run_one(d, m, n, k, seed, mode):
     out, base = jax.device_get(out), jax.device_get(base)
     x, w = jax.device_get(x), jax.device_get(w)
   else:  # One GPU: the same protocol with D virtual ranks.
-    xs = jnp.stack(jnp.split(x, d, axis=1))
-    ws = jnp.stack(jnp.split(w, d, axis=0))
-    out = fused.loopback_matmul_reduce_scatter(xs, ws).reshape(m, n)
-    base = reference.loopback_matmul_reduce_scatter(xs, ws).reshape(m, n)
+    out, base = _loopback_pair(x, w, d)
   e_f, e_x = (float(e) for e in _errors(jnp.asarray(out), jnp.asarray(base), jnp.asarray(x),
                                         jnp.asarray(w)))
   return dict(d=d, m=m, n=n, k=k, mode=mode, err_fused=e_f, err_unfused=e_x,
