@@ -72,11 +72,19 @@ def _fwd(x, w, axis_name, scatter_dimension, implementation, config):
 
 
 def _bwd(axis_name, scatter_dimension, implementation, config, res, dy):
-  del implementation, config  # The backward pass is the same for all.
+  del config  # The forward's kernel config does not apply to the all-gather matmul.
   x, w = res
-  dx, dy_full = all_gather_matmul(dy, w.T, axis_name,
-                                  gather_dimension=scatter_dimension,
-                                  out_dtype=x.dtype)
+  if implementation == "fused":
+    # The forward ran the fused kernel: overlap the backward's all-gather matmul too (jax's
+    # collective_matmul_mgpu where it applies, else XLA, the reason logged once). "auto" and
+    # "xla" keep the XLA composition until a measurement gates the overlapped one in.
+    from pallas_rs import ag_matmul  # pylint: disable=g-import-not-at-top  (ag_matmul -> api -> vjp)
+    dx, dy_full = ag_matmul.all_gather_matmul(
+        dy, w.T, axis_name, gather_dimension=scatter_dimension, out_dtype=x.dtype,
+        implementation="auto")
+  else:
+    dx, dy_full = all_gather_matmul(dy, w.T, axis_name, gather_dimension=scatter_dimension,
+                                    out_dtype=x.dtype)
   dw = jnp.dot(x.T, dy_full, preferred_element_type=jnp.float32)
   return dx, dw.astype(w.dtype)
 

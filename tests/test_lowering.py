@@ -111,3 +111,20 @@ def test_every_search_space_config_fits(case):
   for d in (1, 8):
     for cfg in config_lib.search_space(m=case.m, n=case.n, k_shard=case.k // 8, num_devices=d):
       assert cfg.fits_smem(d), cfg
+
+
+def test_every_shipped_table_config_lowers():
+  """Every config the tuner can hand to the kernel (the packaged table's) compiles for CUDA."""
+  from pallas_rs import tuning  # pylint: disable=g-import-not-at-top
+  entries = tuning.packaged_table()["entries"]
+  assert entries, "the packaged tuning table is empty"
+  for entry in entries:
+    key, cfg = entry["key"], tuning.config_from_json(entry["config"])
+    m, n, k_shard, d = key["m"], key["n"], key["k_shard"], key["num_devices"]
+    if d == 1:
+      x = jax.ShapeDtypeStruct((m, k_shard), jnp.bfloat16)
+      w = jax.ShapeDtypeStruct((k_shard, n), jnp.bfloat16)
+      jax.export.export(jax.jit(functools.partial(fused.local_matmul, config=cfg)),
+                        platforms=["cuda"])(x, w)
+    else:
+      _export_shard_map(m, n, k_shard * d, d, config=cfg)
