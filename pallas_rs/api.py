@@ -87,7 +87,7 @@ def _validate(x, w, axis_name, scatter_dimension, implementation):
 
 def _choose_implementation(*, m: int, k_shard: int, n: int, dtype,
                            num_devices: int, scatter_dimension: int,
-                           implementation: str, config: Any
+                           implementation: str, config: Any, axis_name=None
                            ) -> tuple[str, Any, str | None]:
   """Resolves `implementation` to ("fused" | "xla", config, fallback reason).
 
@@ -120,6 +120,7 @@ def _choose_implementation(*, m: int, k_shard: int, n: int, dtype,
   from pallas_rs import fused  # pylint: disable=g-import-not-at-top
   from pallas_rs import tuning  # pylint: disable=g-import-not-at-top
   try:
+    fused.check_mesh(axis_name)
     chosen = fused.check_supported(m=m, k_shard=k_shard, n=n, dtype=dtype,
                                    num_devices=num_devices, config=config)
   except NotImplementedError as e:
@@ -177,7 +178,7 @@ def matmul_reduce_scatter(x: jax.Array, w: jax.Array, *, axis_name,
   impl, config, reason = _choose_implementation(
       m=x.shape[0], k_shard=x.shape[1], n=w.shape[1], dtype=x.dtype,
       num_devices=num_devices, scatter_dimension=scatter_dimension,
-      implementation=implementation, config=config)
+      implementation=implementation, config=config, axis_name=axis_name)
   if reason is not None:
     _log_fallback_once(reason)
   return vjp.matmul_reduce_scatter(x, w, axis_name, scatter_dimension, impl,

@@ -37,6 +37,19 @@ def check_supported(*, m: int, k_shard: int, n: int, dtype, num_devices: int,
   return config
 
 
+def check_mesh(axis_name) -> None:
+  """Inside shard_map: raises NotImplementedError unless `axis_name` is the mesh's only
+  non-trivial axis. Peers are addressed by a scalar mesh index (NVLinkTransport), which is
+  only right on a 1-D mesh; multi-axis meshes are unverified on hardware (design.md 5)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  others = {name: size for name, size in dict(mesh.shape).items()
+            if name != axis_name and size > 1}
+  if others:
+    raise NotImplementedError(
+        f"fused kernel needs {axis_name=} to be the only mesh axis of size > 1; the mesh is "
+        f"{dict(mesh.shape)}")
+
+
 def _compiler_params():
   # Lane semantics is the default in jax 0.10.x, Warpgroup in 0.11.x: always say which.
   return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
@@ -72,6 +85,7 @@ def fused_matmul_reduce_scatter(x, w, *, axis_name, num_devices: int,
   -> [m // num_devices, n] (row chunk `axis_index` of sum over devices of x @ w)."""
   m, k_shard = x.shape
   n = w.shape[1]
+  check_mesh(axis_name)
   config = check_supported(m=m, k_shard=k_shard, n=n, dtype=x.dtype,
                            num_devices=num_devices, config=config)
   chunk = m // num_devices
