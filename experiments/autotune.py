@@ -27,11 +27,7 @@ from __future__ import annotations
 
 import datetime
 import functools
-import json
-import os
 from pathlib import Path
-import shlex
-import subprocess
 import sys
 from typing import Any, Sequence
 
@@ -39,9 +35,14 @@ from absl import app
 from absl import flags
 from absl import logging
 
-_REPO = Path(__file__).resolve().parents[1]
-if str(_REPO) not in sys.path:
-  sys.path.insert(0, str(_REPO))
+_HERE = Path(__file__).resolve().parent
+_REPO = _HERE.parent
+for _path in (_REPO, _HERE):
+  if str(_path) not in sys.path:
+    sys.path.insert(0, str(_path))
+
+import bench_env  # pylint: disable=g-import-not-at-top,wrong-import-position
+
 AXIS = "tp"
 SMEM_ERROR = "exceeds available shared memory"
 
@@ -71,48 +72,8 @@ flags.DEFINE_bool("dry_run", False, "List the shapes and candidate configs, "
 
 
 # ---------------------------------------------------------------------------
-# Environment and output.
+# Output (environment block and JSON writing: bench_env).
 # ---------------------------------------------------------------------------
-
-
-def _run(cmd: Sequence[str]) -> str | None:
-  try:
-    res = subprocess.run(list(cmd), capture_output=True, text=True, timeout=30,
-                         check=False, cwd=_REPO)
-  except (OSError, subprocess.SubprocessError):
-    return None
-  return res.stdout.strip() if res.returncode == 0 else None
-
-
-def environment(argv: Sequence[str]) -> dict[str, Any]:
-  import jax  # pylint: disable=g-import-not-at-top
-  import jaxlib  # pylint: disable=g-import-not-at-top
-  devices = jax.devices()
-  smi = _run(["nvidia-smi", "--query-gpu=name,driver_version",
-              "--format=csv,noheader"])
-  status = _run(["git", "status", "--porcelain"])
-  return {
-      "jax_version": jax.__version__,
-      "jaxlib_version": jaxlib.__version__,
-      "backend": jax.default_backend(),
-      "device_kind": devices[0].device_kind,
-      "device_count": len(devices),
-      "gpu_names": smi.splitlines() if smi else None,
-      "XLA_FLAGS": os.environ.get("XLA_FLAGS"),
-      "nccl_env": {k: v for k, v in sorted(os.environ.items())
-                   if k.startswith("NCCL_")},
-      "git_commit": _run(["git", "rev-parse", "HEAD"]),
-      "git_dirty": bool(status) if status is not None else None,
-      "command": " ".join(shlex.quote(a) for a in [sys.executable, *argv]),
-      "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-  }
-
-
-def _write_json(path: Path, obj) -> None:
-  path.parent.mkdir(parents=True, exist_ok=True)
-  tmp = path.with_name(path.name + ".tmp")
-  tmp.write_text(json.dumps(obj, indent=1) + "\n")
-  tmp.replace(path)
 
 
 def _merge_into_table(path: str, entries: list[dict]) -> None:
@@ -423,11 +384,8 @@ def dry_run(cases) -> None:
 
 
 def main(argv: Sequence[str]) -> int:
-  if FLAGS.mode == "multi_gpu":
-    nvls = os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    if nvls != "0":
-      raise app.UsageError(f"NCCL_NVLS_ENABLE={nvls!r}: NVLink multicast must "
-                           "stay off for the baselines; unset it or set it to 0")
+  # multi_gpu: NCCL_NVLS_ENABLE defaults to 0, anything else is refused.
+  bench_env.configure_environment(FLAGS.mode)
   cases = select_cases()
   if FLAGS.dry_run:
     dry_run(cases)
@@ -436,7 +394,7 @@ def main(argv: Sequence[str]) -> int:
   if jax.default_backend() != "gpu":
     raise app.UsageError(f"autotune needs GPUs, backend is {jax.default_backend()!r}"
                          " (--dry_run lists the candidates on any machine)")
-  env = environment(argv)
+  env = bench_env.environment_block(argv)
   stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
   out = Path(FLAGS.out or _REPO / "experiments" / "results" /
              f"autotune_{FLAGS.mode}_{stamp}.json")
@@ -448,8 +406,9 @@ def main(argv: Sequence[str]) -> int:
     records += recs
     entries += ents
     # After every shape, so that a crash keeps what was measured.
-    _write_json(out, {"env": env, "flags": FLAGS.flags_into_string(),
-                      "records": records, "entries": entries})
+    bench_env.write_json(out, {"env": env,
+                               "flags": FLAGS.flags_into_string(),
+                               "records": records, "entries": entries})
     _merge_into_table(FLAGS.table, ents)
   print(format_summary(entries))
   print(f"raw records: {out}")

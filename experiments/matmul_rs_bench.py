@@ -40,13 +40,8 @@ from collections.abc import Callable, Sequence
 import dataclasses
 import datetime
 import functools
-import json
 import math
-import os
 from pathlib import Path
-import shlex
-import shutil
-import subprocess
 import sys
 import time
 from typing import Any
@@ -56,16 +51,27 @@ from absl import flags
 from absl import logging
 import numpy as np
 
-_REPO = Path(__file__).resolve().parents[1]
-if str(_REPO) not in sys.path:
-  sys.path.insert(0, str(_REPO))
+_HERE = Path(__file__).resolve().parent
+_REPO = _HERE.parent
+for _path in (_REPO, _HERE):
+  if str(_path) not in sys.path:
+    sys.path.insert(0, str(_path))
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import bench_env
+from bench_env import configure_environment  # also used by the tests
+from bench_env import fmt
+from bench_env import MODES
+from bench_env import NO_CLAIMS
+from bench_env import sanitize
+from bench_env import SMOKE_DEVICES
+# pylint: enable=g-import-not-at-top,wrong-import-position
 
 # No jax (nor pallas_rs, which imports jax) at module level: XLA_FLAGS (smoke's
 # forced host devices) must be set before jax is first imported, which
 # `configure_environment` does in main().
 
 SCHEMA_VERSION = 1
-MODES = ("auto", "smoke", "single_gpu", "multi_gpu")
 RESOLVED_MODES = ("smoke", "single_gpu", "multi_gpu")
 TIMERS = ("auto", "cupti", "host_wall_clock")
 AXIS = "tp"
@@ -76,10 +82,7 @@ PEER = "xla_windowed_einsum"
 LOCAL = ("local_xla", "local_fused")
 LOOPBACK = ("loopback_gemm", "loopback_reference", "loopback_fused")
 ALL_IMPLEMENTATIONS = BASELINES + OVERLAP_IMPLEMENTATIONS + (PEER,) + LOCAL + LOOPBACK
-SMOKE_DEVICES = 8
-FORCE_DEVICES_FLAG = "--xla_force_host_platform_device_count"
 WINDOWED_EINSUM_OPTION = "xla_gpu_threshold_for_windowed_einsum_mib"
-NO_CLAIMS = "host_wall_clock: smoke only, no performance claims"
 # Above this many reference FLOPs the check uses float32 BLAS (summed in
 # float64) instead of float64: minutes saved at the seed shapes, error of the
 # reference ~1e-6 relative, far below bf16's 4e-3.
@@ -130,94 +133,6 @@ _FLAG_NAMES = ("mode", "tags", "names", "m", "n", "k", "dtype", "num_devices",
 
 
 # ---------------------------------------------------------------------------
-# Environment (before jax is imported).
-# ---------------------------------------------------------------------------
-
-
-def _gpu_count_nvidia_smi() -> int:
-  if shutil.which("nvidia-smi") is None:
-    return 0
-  try:
-    out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True,
-                         timeout=30, check=False).stdout
-  except (OSError, subprocess.SubprocessError):
-    return 0
-  return sum(1 for line in out.splitlines() if line.startswith("GPU "))
-
-
-def configure_environment(mode: str, environ=os.environ) -> str:
-  """Sets process environment for `mode` and returns the resolved mode.
-
-  smoke: forces SMOKE_DEVICES host devices through XLA_FLAGS when jax is not
-  imported yet (tests/conftest.py does the same before importing jax); if jax
-  is already imported, the device count is checked instead.
-  multi_gpu: NCCL_NVLS_ENABLE defaults to 0; any other value is refused
-  (NVLink multicast must never be used, design.md section 5).
-  """
-  if mode not in MODES:
-    raise ValueError(f"{mode=} must be one of {MODES}")
-  if mode == "auto":
-    gpus = _gpu_count_nvidia_smi()
-    mode = "multi_gpu" if gpus >= 2 else "single_gpu" if gpus == 1 else "smoke"
-    logging.info("--mode=auto: %d GPU(s) by nvidia-smi -> %s", gpus, mode)
-  if mode == "smoke":
-    if "jax" not in sys.modules:
-      xla_flags = environ.get("XLA_FLAGS", "")
-      if FORCE_DEVICES_FLAG not in xla_flags:
-        environ["XLA_FLAGS"] = (
-            f"{xla_flags} {FORCE_DEVICES_FLAG}={SMOKE_DEVICES}".strip())
-      environ.setdefault("JAX_PLATFORMS", "cpu")
-  if mode == "multi_gpu":
-    nvls = environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    if nvls != "0":
-      raise app.UsageError(
-          f"NCCL_NVLS_ENABLE={nvls!r}: NVLink multicast must stay off for the "
-          "baselines; unset it or set it to 0")
-  return mode
-
-
-def _run(cmd: Sequence[str]) -> str | None:
-  try:
-    res = subprocess.run(list(cmd), capture_output=True, text=True, timeout=30,
-                         check=False, cwd=_REPO)
-  except (OSError, subprocess.SubprocessError):
-    return None
-  return res.stdout.strip() if res.returncode == 0 else None
-
-
-def environment_block(argv: Sequence[str]) -> dict[str, Any]:
-  """jax/jaxlib, backend, devices, driver, XLA/NCCL env, git, command, date."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import jaxlib  # pylint: disable=g-import-not-at-top
-  devices = jax.devices()
-  smi = None
-  if shutil.which("nvidia-smi"):
-    smi = _run(["nvidia-smi", "--query-gpu=name,driver_version",
-                "--format=csv,noheader"])
-  driver = smi.splitlines()[0].split(",")[-1].strip() if smi else None
-  commit = _run(["git", "rev-parse", "HEAD"])
-  status = _run(["git", "status", "--porcelain"])
-  return {
-      "jax_version": jax.__version__,
-      "jaxlib_version": jaxlib.__version__,
-      "python": sys.version.split()[0],
-      "backend": jax.default_backend(),
-      "device_kind": devices[0].device_kind,
-      "device_count": len(devices),
-      "gpu_names": smi.splitlines() if smi else None,
-      "driver_version": driver,
-      "XLA_FLAGS": os.environ.get("XLA_FLAGS"),
-      "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS"),
-      "nccl_env": {k: v for k, v in sorted(os.environ.items())
-                   if k.startswith("NCCL_")},
-      "git_commit": commit,
-      "git_dirty": bool(status) if status is not None else None,
-      "command": " ".join(shlex.quote(a) for a in [sys.executable, *argv]),
-      "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-  }
-
-
-# ---------------------------------------------------------------------------
 # Records.
 # ---------------------------------------------------------------------------
 
@@ -229,22 +144,7 @@ def shape_block(case, num_devices: int | None = None) -> dict[str, Any]:
           "dtype": case.dtype}
 
 
-def _finite_or_none(value):
-  if isinstance(value, float) and not math.isfinite(value):
-    return None
-  return value
-
-
-def _sanitize(obj):
-  if isinstance(obj, dict):
-    return {k: _sanitize(v) for k, v in obj.items()}
-  if isinstance(obj, (list, tuple)):
-    return [_sanitize(v) for v in obj]
-  if isinstance(obj, (np.floating,)):
-    obj = float(obj)
-  if isinstance(obj, (np.integer,)):
-    obj = int(obj)
-  return _finite_or_none(obj)
+_sanitize = sanitize  # The old name, used by the tests.
 
 
 _REQUIRED = {"mode": str, "shape": dict, "implementation": str, "status": str,
@@ -895,10 +795,6 @@ def default_out_path(mode: str) -> Path:
   return _REPO / "experiments" / "results" / f"{mode}_{stamp}.json"
 
 
-def _fmt(value, spec=".2f"):
-  return "-" if value is None else format(value, spec)
-
-
 def format_table(records: Sequence[dict[str, Any]]) -> str:
   """A short fixed-width table: one row per record."""
   header = (f"{'shape':<40} {'impl':<20} {'D':>2} {'median_us':>10} "
@@ -915,12 +811,12 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
       status += " (no perf claims)"
     lines.append(
         f"{r['shape']['name'][:40]:<40} {r['implementation'][:20]:<20} "
-        f"{r['shape']['num_devices']:>2} {_fmt(stats.get('median')):>10} "
-        f"{_fmt(stats.get('p90')):>9} "
-        f"{_fmt(mets.get('overlap_efficiency')):>6} "
-        f"{_fmt(mets.get('speedup_vs_seq', mets.get('speedup_vs_reference'))):>7} "
-        f"{_fmt(chk.get('max_rel_error'), '.3g'):>11} "
-        f"{_fmt(chk.get('ratio_to_unfused')):>6} {status[:90]}")
+        f"{r['shape']['num_devices']:>2} {fmt(stats.get('median')):>10} "
+        f"{fmt(stats.get('p90')):>9} "
+        f"{fmt(mets.get('overlap_efficiency')):>6} "
+        f"{fmt(mets.get('speedup_vs_seq', mets.get('speedup_vs_reference'))):>7} "
+        f"{fmt(chk.get('max_rel_error'), '.3g'):>11} "
+        f"{fmt(chk.get('ratio_to_unfused')):>6} {status[:90]}")
   return "\n".join(lines)
 
 
@@ -966,13 +862,13 @@ def main(argv: Sequence[str]) -> int:
     records = sweep_single_gpu(cases, timer)
   else:
     records = sweep_sharded(mode, cases, implementations, timer)
-  records = [_sanitize(r) for r in records]
+  records = [sanitize(r) for r in records]
   for r in records:
     validate_record(r)
   doc = {
       "schema_version": SCHEMA_VERSION,
-      "environment": environment_block(sys.argv),
-      "flags": {name: _sanitize(FLAGS[name].value) for name in _FLAG_NAMES},
+      "environment": bench_env.environment_block(sys.argv),
+      "flags": {name: sanitize(FLAGS[name].value) for name in _FLAG_NAMES},
       "mode": mode,
       "timer": timer,
       "performance_claims": timer == "cupti",
@@ -981,8 +877,7 @@ def main(argv: Sequence[str]) -> int:
   }
   validate_results(doc)
   out = Path(FLAGS.out) if FLAGS.out else default_out_path(mode)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
+  bench_env.write_json(out, doc, allow_nan=False)
   print(format_table(records))
   if timer == "host_wall_clock":
     print(f"timer=host_wall_clock: {NO_CLAIMS}")

@@ -43,16 +43,14 @@ numerics claim.
       --model=llama70b --m=2048,8192 --iterations=50
   python experiments/model_bench.py --mode=single_gpu --model=mixtral8x22b
 
-Flags shared with experiments/matmul_rs_bench.py are re-defined here
-(allow_override): that module is imported for its environment helpers
-(`configure_environment`, `environment_block`), which registers its flags.
+The environment and JSON helpers are shared with experiments/matmul_rs_bench.py
+through experiments/bench_env.py (which defines no flags).
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 import datetime
 import functools
-import json
 from pathlib import Path
 import sys
 from typing import Any
@@ -67,7 +65,8 @@ for _path in (_HERE.parent, _HERE):
   if str(_path) not in sys.path:
     sys.path.insert(0, str(_path))
 
-import matmul_rs_bench  # pylint: disable=g-import-not-at-top,wrong-import-position
+import bench_env  # pylint: disable=g-import-not-at-top,wrong-import-position
+from bench_env import fmt  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 # No jax at module level: smoke mode's XLA_FLAGS must be set first.
 
@@ -90,33 +89,29 @@ CHECK_TOL = {"forward": 3e-2, "forward_backward": 6e-2}
 SMOKE_ITERATIONS = 5
 
 FLAGS = flags.FLAGS
-_OVERRIDE = dict(allow_override=True)
-flags.DEFINE_enum("mode", "smoke", MODES, "What to run; see the module doc.",
-                  **_OVERRIDE)
+flags.DEFINE_enum("mode", "smoke", MODES, "What to run; see the module doc.")
 flags.DEFINE_enum("model", "llama70b", tuple(MODELS), "Model widths "
                   "(smoke mode uses tiny widths whatever this says).")
 flags.DEFINE_list("m", None, f"Global token counts M; default {GPU_MS} on "
-                  f"GPU, {SMOKE_MS} in smoke mode.", **_OVERRIDE)
+                  f"GPU, {SMOKE_MS} in smoke mode.")
 flags.DEFINE_integer("num_devices", None, "D. multi_gpu: default all visible "
                      "GPUs; smoke: default 8; single_gpu: the D whose "
-                     "per-device share is run (default 8).", **_OVERRIDE)
+                     "per-device share is run (default 8).")
 flags.DEFINE_list("implementations", ",".join(IMPLEMENTATIONS),
-                  f"Among {IMPLEMENTATIONS}; xla and no_comm always run.",
-                  **_OVERRIDE)
+                  f"Among {IMPLEMENTATIONS}; xla and no_comm always run.")
 flags.DEFINE_list("passes", ",".join(PASSES), f"Among {PASSES}.")
 flags.DEFINE_integer("iterations", 50, "Timed iterations (smoke: "
-                     f"{SMOKE_ITERATIONS} unless given).", **_OVERRIDE)
-flags.DEFINE_integer("warmup", 2, "Untimed calls after compilation.",
-                     **_OVERRIDE)
+                     f"{SMOKE_ITERATIONS} unless given).")
+flags.DEFINE_integer("warmup", 2, "Untimed calls after compilation.")
 flags.DEFINE_enum("timer", "auto", ("auto", "cupti", "host_wall_clock"),
-                  "auto: cupti on GPU, host wall clock on CPU.", **_OVERRIDE)
+                  "auto: cupti on GPU, host wall clock on CPU.")
 flags.DEFINE_enum("attention", "xla", ("xla", "cudnn"), "jax.nn."
                   "dot_product_attention implementation (cudnn: GPU only).")
 flags.DEFINE_string("out", "", "JSON output path; default experiments/results/"
-                    "model_<mode>_<UTC date>.json.", **_OVERRIDE)
-flags.DEFINE_integer("seed", 0, "PRNG seed.", **_OVERRIDE)
+                    "model_<mode>_<UTC date>.json.")
+flags.DEFINE_integer("seed", 0, "PRNG seed.")
 flags.DEFINE_bool("keep_going", False, "Record unexpected exceptions as "
-                  "'failed: ...' and continue (exit code 1).", **_OVERRIDE)
+                  "'failed: ...' and continue (exit code 1).")
 
 
 def _dims(mode: str, num_devices: int) -> dict[str, int]:
@@ -258,7 +253,7 @@ def sweep(mode: str, implementations: Sequence[str]) -> list[dict[str, Any]]:
           record.update(timer=t.timer, performance_claims=claims,
                         timing=t.to_json())
           if not claims:
-            record["notes"].append(matmul_rs_bench.NO_CLAIMS)
+            record["notes"].append(bench_env.NO_CLAIMS)
         except NotImplementedError as e:
           record["status"] = f"unavailable: {e}"
         except Exception as e:  # pylint: disable=broad-except
@@ -302,10 +297,10 @@ def format_table(records) -> str:
     lines.append(
         f"{r['shape']['m']:>6} {r['shape']['num_devices']:>2} {r['pass']:<16} "
         f"{r['implementation']:<8} "
-        f"{'-' if step is None else f'{step:.1f}':>10} "
-        f"{'-' if share is None else f'{100 * share:.1f}':>8} "
-        f"{'-' if met.get('speedup_vs_xla') is None else format(met['speedup_vs_xla'], '.3f'):>7} "
-        f"{'-' if 'max_rel_error' not in chk else format(chk['max_rel_error'], '.1e'):>8}"
+        f"{fmt(step, '.1f'):>10} "
+        f"{fmt(None if share is None else 100 * share, '.1f'):>8} "
+        f"{fmt(met.get('speedup_vs_xla'), '.3f'):>7} "
+        f"{fmt(chk.get('max_rel_error'), '.1e'):>8}"
         f"  {r['status'][:90]}")
   return "\n".join(lines)
 
@@ -313,7 +308,7 @@ def format_table(records) -> str:
 def main(argv: Sequence[str]) -> int:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
-  mode = matmul_rs_bench.configure_environment(FLAGS.mode)
+  mode = bench_env.configure_environment(FLAGS.mode)
   implementations = list(FLAGS.implementations)
   bad = set(implementations) - set(IMPLEMENTATIONS)
   if bad:
@@ -324,7 +319,7 @@ def main(argv: Sequence[str]) -> int:
     raise app.UsageError("smoke mode runs on CPU (JAX_PLATFORMS=cpu)")
   records = sweep(mode, implementations)
   doc = {"schema_version": 1, "benchmark": "model_bench",
-         "environment": matmul_rs_bench.environment_block(sys.argv),
+         "environment": bench_env.environment_block(sys.argv),
          "flags": {name: FLAGS[name].value for name in (
              "mode", "model", "m", "num_devices", "implementations", "passes",
              "iterations", "warmup", "timer", "attention", "seed")},
@@ -332,8 +327,7 @@ def main(argv: Sequence[str]) -> int:
   out = Path(FLAGS.out) if FLAGS.out else (
       _HERE / "results" / f"model_{mode}_"
       f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}.json")
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(matmul_rs_bench._sanitize(doc), indent=1))  # pylint: disable=protected-access
+  bench_env.write_json(out, bench_env.sanitize(doc))
   print(format_table(records))
   if mode == "smoke":
     print("host wall clock on CPU: NO PERFORMANCE CLAIMS")

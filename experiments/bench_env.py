@@ -1,0 +1,156 @@
+"""Environment and output helpers shared by the experiment scripts.
+
+Used by matmul_rs_bench.py, model_bench.py and autotune.py. Defines no absl
+flags (importing it registers nothing), and imports no jax at module level:
+smoke mode's XLA_FLAGS must be set (`configure_environment`) before jax is
+first imported.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+import datetime
+import json
+import math
+import os
+from pathlib import Path
+import shlex
+import shutil
+import subprocess
+import sys
+from typing import Any
+
+from absl import app
+from absl import logging
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+MODES = ("auto", "smoke", "single_gpu", "multi_gpu")
+SMOKE_DEVICES = 8
+FORCE_DEVICES_FLAG = "--xla_force_host_platform_device_count"
+NO_CLAIMS = "host_wall_clock: smoke only, no performance claims"
+
+
+# ---------------------------------------------------------------------------
+# Environment (before jax is imported).
+# ---------------------------------------------------------------------------
+
+
+def gpu_count_nvidia_smi() -> int:
+  if shutil.which("nvidia-smi") is None:
+    return 0
+  try:
+    out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True,
+                         timeout=30, check=False).stdout
+  except (OSError, subprocess.SubprocessError):
+    return 0
+  return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+
+
+def configure_environment(mode: str, environ=os.environ) -> str:
+  """Sets process environment for `mode` and returns the resolved mode.
+
+  smoke: forces SMOKE_DEVICES host devices through XLA_FLAGS when jax is not
+  imported yet (tests/conftest.py does the same before importing jax); if jax
+  is already imported, the device count is checked instead.
+  multi_gpu: NCCL_NVLS_ENABLE defaults to 0; any other value is refused
+  (NVLink multicast must never be used, design.md section 5).
+  """
+  if mode not in MODES:
+    raise ValueError(f"{mode=} must be one of {MODES}")
+  if mode == "auto":
+    gpus = gpu_count_nvidia_smi()
+    mode = "multi_gpu" if gpus >= 2 else "single_gpu" if gpus == 1 else "smoke"
+    logging.info("--mode=auto: %d GPU(s) by nvidia-smi -> %s", gpus, mode)
+  if mode == "smoke":
+    if "jax" not in sys.modules:
+      xla_flags = environ.get("XLA_FLAGS", "")
+      if FORCE_DEVICES_FLAG not in xla_flags:
+        environ["XLA_FLAGS"] = (
+            f"{xla_flags} {FORCE_DEVICES_FLAG}={SMOKE_DEVICES}".strip())
+      environ.setdefault("JAX_PLATFORMS", "cpu")
+  if mode == "multi_gpu":
+    nvls = environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    if nvls != "0":
+      raise app.UsageError(
+          f"NCCL_NVLS_ENABLE={nvls!r}: NVLink multicast must stay off for the "
+          "baselines; unset it or set it to 0")
+  return mode
+
+
+def run_cmd(cmd: Sequence[str]) -> str | None:
+  """stdout of `cmd` run in the repository root, or None if it failed."""
+  try:
+    res = subprocess.run(list(cmd), capture_output=True, text=True, timeout=30,
+                         check=False, cwd=REPO)
+  except (OSError, subprocess.SubprocessError):
+    return None
+  return res.stdout.strip() if res.returncode == 0 else None
+
+
+def environment_block(argv: Sequence[str]) -> dict[str, Any]:
+  """jax/jaxlib, backend, devices, driver, XLA/NCCL env, git, command, date."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jaxlib  # pylint: disable=g-import-not-at-top
+  devices = jax.devices()
+  smi = None
+  if shutil.which("nvidia-smi"):
+    smi = run_cmd(["nvidia-smi", "--query-gpu=name,driver_version",
+                   "--format=csv,noheader"])
+  driver = smi.splitlines()[0].split(",")[-1].strip() if smi else None
+  commit = run_cmd(["git", "rev-parse", "HEAD"])
+  status = run_cmd(["git", "status", "--porcelain"])
+  return {
+      "jax_version": jax.__version__,
+      "jaxlib_version": jaxlib.__version__,
+      "python": sys.version.split()[0],
+      "backend": jax.default_backend(),
+      "device_kind": devices[0].device_kind,
+      "device_count": len(devices),
+      "gpu_names": smi.splitlines() if smi else None,
+      "driver_version": driver,
+      "XLA_FLAGS": os.environ.get("XLA_FLAGS"),
+      "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS"),
+      "nccl_env": {k: v for k, v in sorted(os.environ.items())
+                   if k.startswith("NCCL_")},
+      "git_commit": commit,
+      "git_dirty": bool(status) if status is not None else None,
+      "command": " ".join(shlex.quote(a) for a in [sys.executable, *argv]),
+      "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+  }
+
+
+# ---------------------------------------------------------------------------
+# Output.
+# ---------------------------------------------------------------------------
+
+
+def _finite_or_none(value):
+  if isinstance(value, float) and not math.isfinite(value):
+    return None
+  return value
+
+
+def sanitize(obj):
+  """JSON-ready copy: numpy scalars to Python, tuples to lists, inf/nan to None."""
+  if isinstance(obj, dict):
+    return {k: sanitize(v) for k, v in obj.items()}
+  if isinstance(obj, (list, tuple)):
+    return [sanitize(v) for v in obj]
+  if isinstance(obj, (np.floating,)):
+    obj = float(obj)
+  if isinstance(obj, (np.integer,)):
+    obj = int(obj)
+  return _finite_or_none(obj)
+
+
+def write_json(path: Path, obj, *, allow_nan: bool = True) -> None:
+  """Writes `obj` (indent 1, trailing newline) atomically, making parents."""
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = path.with_name(path.name + ".tmp")
+  tmp.write_text(json.dumps(obj, indent=1, allow_nan=allow_nan) + "\n")
+  tmp.replace(path)
+
+
+def fmt(value, spec: str = ".2f") -> str:
+  """`value` formatted with `spec` for a table cell; "-" for None."""
+  return "-" if value is None else format(value, spec)
