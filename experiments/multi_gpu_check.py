@@ -37,6 +37,8 @@ from pallas_rs import reference
 _OUT = flags.DEFINE_string("out", None, "JSON output path.")
 _STRESS = flags.DEFINE_integer("stress_calls", 1000, "Back-to-back calls in the stress run.")
 _MS = flags.DEFINE_list("m", ["512", "2048", "8192"], "Global m values for the correctness run.")
+_SCALE = flags.DEFINE_integer("scale", 1, "Divide the seed n and k by this (CPU tests of the "
+                              "script itself use small shapes).")
 _AXIS = "tp"
 PAIRS = [(8192, 8192), (8192, 28672), (6144, 6144), (6144, 16384)]  # (n, k)
 
@@ -120,9 +122,10 @@ def main(_):
   num_gpus = len(jax.devices())
   mode = "nvlink" if num_gpus >= 2 else "loopback"
   ds = [d for d in (2, 4, 8) if d <= num_gpus] if mode == "nvlink" else [2, 4, 8]
+  pairs = [(n // _SCALE.value, k // _SCALE.value) for n, k in PAIRS]
   rows = []
   for d in ds:
-    for n, k in PAIRS:
+    for n, k in pairs:
       for m in map(int, _MS.value):
         t = time.time()
         try:
@@ -133,7 +136,8 @@ def main(_):
         rows.append(r)
         print(json.dumps(r), flush=True)
   d = ds[-1]
-  shapes = [(512, 8192, 8192), (2048, 6144, 16384)]
+  shapes = [(512, 8192 // _SCALE.value, 8192 // _SCALE.value),
+            (2048, 6144 // _SCALE.value, 16384 // _SCALE.value)]
   bad, worst, t = [], 0.0, time.time()
   for i in range(_STRESS.value):
     m, n, k = shapes[i % 2]
@@ -151,6 +155,7 @@ def main(_):
   if _OUT.value:
     with open(_OUT.value, "w") as f:
       json.dump(dict(env=environment(), correctness=rows, stress=stress), f, indent=1)
+  return 0 if all(r["ok"] for r in rows) and not bad else 1
 
 
 if __name__ == "__main__":
