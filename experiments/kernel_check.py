@@ -24,6 +24,7 @@ import numpy as np
 from pallas_rs import fused
 from pallas_rs import reference
 from pallas_rs import shapes as shapes_lib
+from pallas_rs import testing
 
 _WHAT = flags.DEFINE_enum("what", "correct", ["correct", "perf", "stress"], "Which check.")
 _OUT = flags.DEFINE_string("out", None, "JSON output path.")
@@ -31,26 +32,7 @@ _ITERS = flags.DEFINE_integer("iterations", 50, "Timed iterations per measuremen
 _STRESS_CALLS = flags.DEFINE_integer("stress_calls", 1000, "Back-to-back calls for --what=stress.")
 _SHAPE_FILTER = flags.DEFINE_string("names", "", "Comma-separated seed case names (perf).")
 
-PAIRS = [(8192, 8192), (8192, 28672), (6144, 6144), (6144, 16384)]  # (n, k)
-
-
-def _inputs(key, d, m, k_shard, n):
-  kx, kw = jax.random.split(key)
-  # Distinct data per rank: rank-dependent scale, so a swapped or missing rank shows.
-  scale = (1.0 + jnp.arange(d, dtype=jnp.float32) / d)[:, None, None]
-  xs = (jax.random.normal(kx, (d, m, k_shard), jnp.float32) * scale).astype(jnp.bfloat16)
-  ws = (jax.random.normal(kw, (d, k_shard, n), jnp.float32) / np.sqrt(k_shard * d)).astype(jnp.bfloat16)
-  return xs, ws
-
-
-def _ref64(xs, ws):
-  """Exact-enough reference: per-rank f32 BLAS products (error ~1e-6, far below bf16's),
-  summed over ranks in float64."""
-  x = np.asarray(xs.astype(jnp.float32))
-  w = np.asarray(ws.astype(jnp.float32))
-  d, m, _ = x.shape
-  full = sum(np.matmul(x[r], w[r]).astype(np.float64) for r in range(d))
-  return full.reshape(d, m // d, -1)
+PAIRS = shapes_lib.SEED_NK_PAIRS
 
 
 _xla_loopback = jax.jit(reference.loopback_matmul_reduce_scatter)
@@ -62,8 +44,8 @@ def _rel_err(out, ref):
 
 
 def check(d, m, n, k, seed, config=None):
-  xs, ws = _inputs(jax.random.key(seed), d, m, k // d, n)
-  ref = _ref64(xs, ws)
+  xs, ws = testing.stacked_inputs(jax.random.key(seed), d, m, k // d, n)
+  ref = testing.stacked_reference(xs, ws)
   if d == 1:
     out = jax.jit(lambda a, b: fused.local_matmul(a, b, config=config))(xs[0], ws[0])[None]
     base = jnp.dot(xs[0], ws[0], preferred_element_type=jnp.float32).astype(jnp.bfloat16)[None]
@@ -94,10 +76,10 @@ def run_correct():
     rows.append(r)
     print(json.dumps(r), flush=True)
   # NaN propagation: a NaN in one rank's x shows up where the reference has it.
-  xs, ws = _inputs(jax.random.key(99), 4, 512, 256, 512)
+  xs, ws = testing.stacked_inputs(jax.random.key(99), 4, 512, 256, 512)
   xs = xs.at[1, 130, 7].set(jnp.nan)
   out = np.asarray(fused.loopback_matmul_reduce_scatter(xs, ws).astype(jnp.float32))
-  ref = _ref64(xs, ws)
+  ref = testing.stacked_reference(xs, ws)
   rows.append(dict(check="nan", ok=bool(np.array_equal(np.isnan(out), np.isnan(ref)))))
   print(json.dumps(rows[-1]), flush=True)
   return rows
@@ -131,7 +113,7 @@ def run_perf():
     except Exception as e:
       r["error_d1"] = f"{type(e).__name__}: {str(e)[:300]}"
     # Loopback at D: the whole node's work (D per-device GEMMs) on one GPU.
-    xs, ws = _inputs(jax.random.key(1), d, m, k_shard, n)
+    xs, ws = testing.stacked_inputs(jax.random.key(1), d, m, k_shard, n)
     r["t_loopback_xla_us"] = _time(_xla_loopback, xs, ws)
     try:
       g = jax.jit(lambda a, b: fused.loopback_matmul_reduce_scatter(a, b))
@@ -163,7 +145,7 @@ def run_stress():
   for i in range(_STRESS_CALLS.value):
     shape = shapes[i % 2]
     d, m, n, k = shape
-    xs, ws = _inputs(jax.random.key(1000 + i), d, m, k // d, n)
+    xs, ws = testing.stacked_inputs(jax.random.key(1000 + i), d, m, k // d, n)
     out = fns[shape](xs, ws)
     e_f, e_x = (float(e) for e in _errors(out, _xla_loopback(xs, ws), xs, ws))
     worst = max(worst, e_f / e_x)

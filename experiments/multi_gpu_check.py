@@ -33,6 +33,7 @@ import numpy as np
 
 from pallas_rs import fused
 from pallas_rs import reference
+from pallas_rs import shapes
 
 _OUT = flags.DEFINE_string("out", None, "JSON output path.")
 _STRESS = flags.DEFINE_integer("stress_calls", 1000, "Back-to-back calls in the stress run.")
@@ -40,7 +41,7 @@ _MS = flags.DEFINE_list("m", ["512", "2048", "8192"], "Global m values for the c
 _SCALE = flags.DEFINE_integer("scale", 1, "Divide the seed n and k by this (CPU tests of the "
                               "script itself use small shapes).")
 _AXIS = "tp"
-PAIRS = [(8192, 8192), (8192, 28672), (6144, 6144), (6144, 16384)]  # (n, k)
+PAIRS = shapes.SEED_NK_PAIRS  # (n, k)
 
 
 def environment() -> dict:

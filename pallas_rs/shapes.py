@@ -109,6 +109,9 @@ CI_CASES: tuple[Case, ...] = (
     _ci("f32_min_m_d2", 2, 320, 64, 2, "float32", "awkward", "min_m"),
 )
 
+# The four (n, k) pairs of the seed projections, for scaled-down checks of each.
+SEED_NK_PAIRS: tuple[tuple[int, int], ...] = tuple((n, k) for _, _, k, n in _PROJECTIONS)
+
 ALL_CASES: tuple[Case, ...] = SEED_CASES + CI_CASES
 _BY_NAME = {case.name: case for case in ALL_CASES}
 assert len(_BY_NAME) == len(ALL_CASES), "duplicate case names"

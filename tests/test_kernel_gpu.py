@@ -13,28 +13,12 @@ import pytest
 
 from pallas_rs import fused
 from pallas_rs import reference
+from pallas_rs import shapes
+from pallas_rs import testing
 
 pytestmark = pytest.mark.gpu
 
-PAIRS = [(8192, 8192), (8192, 28672), (6144, 6144), (6144, 16384)]  # (n, k) of the seed table
-
-
-def _inputs(seed, d, m, k_shard, n):
-  kx, kw = jax.random.split(jax.random.key(seed))
-  scale = (1.0 + jnp.arange(d, dtype=jnp.float32) / d)[:, None, None]  # distinct per rank
-  xs = (jax.random.normal(kx, (d, m, k_shard)) * scale).astype(jnp.bfloat16)
-  ws = (jax.random.normal(kw, (d, k_shard, n)) / np.sqrt(k_shard * d)).astype(jnp.bfloat16)
-  return xs, ws
-
-
-def _ref64(xs, ws):
-  """Exact-enough reference: per-rank f32 BLAS products (error ~1e-6, far below bf16's),
-  summed over ranks in float64."""
-  x = np.asarray(xs.astype(jnp.float32))
-  w = np.asarray(ws.astype(jnp.float32))
-  d, m, _ = x.shape
-  full = sum(np.matmul(x[r], w[r]).astype(np.float64) for r in range(d))
-  return full.reshape(d, m // d, -1)
+PAIRS = shapes.SEED_NK_PAIRS
 
 
 def _err(out, ref):
@@ -46,8 +30,8 @@ _unfused = jax.jit(reference.loopback_matmul_reduce_scatter)
 
 
 def _check_loopback(d, m, n, k, seed):
-  xs, ws = _inputs(seed, d, m, k // d, n)
-  ref = _ref64(xs, ws)
+  xs, ws = testing.stacked_inputs(seed, d, m, k // d, n)
+  ref = testing.stacked_reference(xs, ws)
   out = _loopback(xs, ws)
   assert out.shape == (d, m // d, n)
   e_fused, e_xla = _err(out, ref), _err(_unfused(xs, ws), ref)
@@ -76,7 +60,7 @@ def test_thousand_calls():
   f = jax.jit(fused.loopback_matmul_reduce_scatter)
   for i in range(1000):
     d, m, n, k = (8, 512, 1024, 2048) if i % 2 else (4, 1024, 768, 1536)
-    xs, ws = _inputs(i, d, m, k // d, n)
+    xs, ws = testing.stacked_inputs(i, d, m, k // d, n)
     out = f(xs, ws)
     ref = jnp.einsum("dmk,dkn->mn", xs.astype(jnp.float32), ws.astype(jnp.float32),
                      precision=jax.lax.Precision.HIGHEST).reshape(d, m // d, -1)
@@ -86,17 +70,17 @@ def test_thousand_calls():
 
 @pytest.mark.parametrize("m,n,k", [(256, 1024, 2048), (512, 768, 1536), (128, 8192, 1024)])
 def test_d1_local_matmul(m, n, k):
-  xs, ws = _inputs(m, 1, m, k, n)
-  ref = _ref64(xs, ws)[0]
+  xs, ws = testing.stacked_inputs(m, 1, m, k, n)
+  ref = testing.stacked_reference(xs, ws)[0]
   out = jax.jit(fused.local_matmul)(xs[0], ws[0])
   base = jnp.dot(xs[0], ws[0], preferred_element_type=jnp.float32).astype(jnp.bfloat16)
   assert _err(out, ref) <= 1.1 * _err(base, ref)
 
 
 def test_nan_shows_where_reference_has_it():
-  xs, ws = _inputs(5, 4, 512, 256, 512)
+  xs, ws = testing.stacked_inputs(5, 4, 512, 256, 512)
   xs = xs.at[1, 130, 7].set(jnp.nan)
   out = np.asarray(_loopback(xs, ws).astype(jnp.float32))
-  ref = _ref64(xs, ws)
+  ref = testing.stacked_reference(xs, ws)
   np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
   assert np.isnan(out).any()
