@@ -38,9 +38,15 @@ def check_supported(*, m: int, k_shard: int, n: int, dtype, num_devices: int,
 
 
 def check_mesh(axis_name) -> None:
-  """Inside shard_map: raises NotImplementedError unless `axis_name` is the mesh's only
-  non-trivial axis. Peers are addressed by a scalar mesh index (NVLinkTransport), which is
+  """Inside shard_map: raises NotImplementedError unless this is one process and `axis_name`
+  is the mesh's only non-trivial axis. Peers are addressed by a scalar mesh index (NVLinkTransport), which is
   only right on a 1-D mesh; multi-axis meshes are unverified on hardware (design.md 5)."""
+  if jax.process_count() > 1:
+    # Without NVSHMEM, Mosaic GPU's multi-process mode maps every kernel buffer as NVLink
+    # multicast memory, which must never be used here (design.md section 5).
+    raise NotImplementedError(
+        f"fused kernel runs only with one process driving all local GPUs; "
+        f"process_count={jax.process_count()}")
   mesh = jax.sharding.get_abstract_mesh()
   others = {name: size for name, size in dict(mesh.shape).items()
             if name != axis_name and size > 1}

@@ -151,3 +151,30 @@ def test_multi_axis_mesh_is_not_implemented(monkeypatch):
   # Per device [256, 64] @ [64, 256] of ones, summed over the 4 tp devices: 256 everywhere.
   assert out.shape == (2 * 256, 256)
   assert bool(jnp.all(out.astype(jnp.float32) == 4 * 64))
+
+
+def test_multi_process_is_refused(monkeypatch):
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  with pytest.raises(NotImplementedError, match="one process"):
+    fused.check_mesh("x")
+  with pytest.raises(NotImplementedError, match="process_count=2"):
+    _export_shard_map(1024, 1024, 1024, 8)
+
+
+def test_public_api_fused_forward_and_grad_lower_with_check_vma():
+  """The public op with implementation="fused" under shard_map's default check_vma=True,
+  forward and gradient (custom VJP), lowers for CUDA."""
+  import pallas_rs  # pylint: disable=g-import-not-at-top
+  mesh = jax.make_mesh((8,), ("tp",), axis_types=(jax.sharding.AxisType.Explicit,))
+  f = functools.partial(pallas_rs.matmul_reduce_scatter, axis_name="tp", implementation="fused")
+  g = jax.shard_map(f, mesh=mesh, in_specs=(P(None, "tp"), P("tp", None)),
+                    out_specs=P("tp", None))
+  x = jax.ShapeDtypeStruct((1024, 8192), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "tp")))
+  w = jax.ShapeDtypeStruct((8192, 1024), jnp.bfloat16, sharding=NamedSharding(mesh, P("tp", None)))
+  fwd = jax.export.export(jax.jit(g), platforms=["cuda"])(x, w)
+  assert "mosaic_gpu" in fwd.mlir_module()
+  loss = lambda a, b: jnp.sum(g(a, b).astype(jnp.float32))
+  vg = jax.export.export(jax.jit(jax.value_and_grad(loss, argnums=(0, 1))),
+                         platforms=["cuda"])(x, w)
+  assert "mosaic_gpu" in vg.mlir_module()  # the loss value needs the forward kernel
+  assert [a.shape for a in vg.out_avals] == [(), (1024, 8192), (8192, 1024)]
