@@ -1,12 +1,29 @@
 #!/usr/bin/env bash
-# Everything issues 7 and 8 need on a multi-GPU machine, in one call. Writes under ${OUT:-/tmp/mg}.
-#   OUT=/tmp/mg bash experiments/run_multi_gpu.sh            # D = all visible GPUs
+# What issues 7 and 8 need on a multi-GPU machine, in three device calls of < 10 minutes each
+# (the device tool's per-command limit). Results under ${OUT:-/tmp/mg}.
+#   OUT=/tmp/mg bash experiments/run_multi_gpu.sh check    # env + correctness + 1000-call stress
+#   OUT=/tmp/mg bash experiments/run_multi_gpu.sh sweep    # the 16-shape seed sweep (harness)
+#   OUT=/tmp/mg bash experiments/run_multi_gpu.sh ablate   # where the time goes; then autotune
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_ALLOCATOR=default
 out=${OUT:-/tmp/mg}; mkdir -p "$out"
-nvidia-smi topo -m | tee "$out/topo.txt"
-python3 -c "import jax; print(jax.__version__, jax.devices())"
-timeout 300 python3 experiments/multi_gpu_check.py --out="$out/multi_gpu_check.json" 2>&1 | grep -v '^[IW]1' | tail -8
-timeout 600 python3 experiments/matmul_rs_bench.py --mode=multi_gpu --tags=seed --iterations=200 \
-  --implementations=xla,fused --xla_peer --keep_going --out="$out/multi_gpu_seed.json" 2>&1 \
-  | grep -v '^[IW]1' | tail -40
+quiet() { grep -v '^[IW][0-9]'; }
+case "${1:-check}" in
+  check)
+    nvidia-smi topo -m | tee "$out/topo.txt"
+    python3 -c "import jax; print(jax.__version__, jax.devices())"
+    timeout 520 python3 experiments/multi_gpu_check.py --out="$out/multi_gpu_check.json" 2>&1 \
+      | quiet | tail -8 ;;
+  sweep)
+    timeout 560 python3 experiments/matmul_rs_bench.py --mode=multi_gpu --tags=seed \
+      --iterations=200 --implementations=xla,fused --xla_peer --keep_going \
+      --out="$out/multi_gpu_seed.json" 2>&1 | quiet | tail -40 ;;
+  ablate)
+    timeout 240 python3 experiments/ablate.py --out="$out/ablate.json" --names=\
+llama70b_o_proj_m512,llama70b_o_proj_m32768,mixtral8x22b_w2_m2048,llama70b_down_proj_m8192 \
+      2>&1 | quiet | tail -8
+    timeout 320 python3 experiments/autotune.py --mode=multi_gpu --tags=seed --max_configs=3 \
+      --iterations=30 --table="$out/tuning_table.json" --out="$out/autotune_multi_gpu.json" 2>&1 \
+      | quiet | tail -20 ;;
+  *) echo "usage: $0 check|sweep|ablate" >&2; exit 2 ;;
+esac

@@ -61,10 +61,18 @@ def _compiler_params():
   return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
 
 
-def _build(transport, *, out_type, config: Config, num_devices: int, name: str):
+def _skip(ablate) -> frozenset[str]:
+  skip = frozenset(ablate)
+  if not skip <= kernel_lib.ABLATIONS:
+    raise ValueError(f"ablate={sorted(skip)} must be a subset of {sorted(kernel_lib.ABLATIONS)}")
+  return skip
+
+
+def _build(transport, *, out_type, config: Config, num_devices: int, name: str,
+           skip: frozenset[str] = frozenset()):
   grid, grid_names = transport.grid(config.num_sms)
   body = functools.partial(kernel_lib.kernel_body, config=config, num_devices=num_devices,
-                           transport=transport)
+                           transport=transport, skip=skip)
   if num_devices == 1:
     body = functools.partial(_no_recv, body)
   return plgpu.kernel(
@@ -86,9 +94,12 @@ def _no_recv(body, x, w, out):
 
 
 def fused_matmul_reduce_scatter(x, w, *, axis_name, num_devices: int,
-                                config: Config | None = None) -> jax.Array:
+                                config: Config | None = None, ablate=()) -> jax.Array:
   """Inside shard_map over `axis_name` (size num_devices): x [m, k_shard], w [k_shard, n]
-  -> [m // num_devices, n] (row chunk `axis_index` of sum over devices of x @ w)."""
+  -> [m // num_devices, n] (row chunk `axis_index` of sum over devices of x @ w).
+
+  `ablate` ("comm", "reduce"): leave a stage out, for timing only; the result is then wrong
+  (kernel.kernel_body says what each leaves out)."""
   m, k_shard = x.shape
   n = w.shape[1]
   check_mesh(axis_name)
@@ -99,7 +110,8 @@ def fused_matmul_reduce_scatter(x, w, *, axis_name, num_devices: int,
   out_type = (out,) if num_devices == 1 else (
       out, jax.ShapeDtypeStruct((num_devices - 1, chunk, n), x.dtype))
   f = _build(transport_lib.NVLinkTransport(axis_name, num_devices), out_type=out_type,
-             config=config, num_devices=num_devices, name="pallas_rs_matmul_rs")
+             config=config, num_devices=num_devices, name="pallas_rs_matmul_rs",
+             skip=_skip(ablate))
   return f(x, w)[0]
 
 
@@ -114,9 +126,11 @@ def local_matmul(x, w, *, config: Config | None = None) -> jax.Array:
   return f(x, w)[0]
 
 
-def loopback_matmul_reduce_scatter(xs, ws, *, config: Config | None = None) -> jax.Array:
+def loopback_matmul_reduce_scatter(xs, ws, *, config: Config | None = None,
+                                   ablate=()) -> jax.Array:
   """D virtual ranks on one GPU, the real protocol: xs [D, m, k_shard], ws [D, k_shard, n]
-  -> [D, m // D, n] where out[r] is row chunk r of sum_s xs[s] @ ws[s]."""
+  -> [D, m // D, n] where out[r] is row chunk r of sum_s xs[s] @ ws[s]. `ablate` as in
+  fused_matmul_reduce_scatter (timing only)."""
   d, m, k_shard = xs.shape
   n = ws.shape[2]
   if ws.shape[:2] != (d, k_shard):
@@ -131,5 +145,5 @@ def loopback_matmul_reduce_scatter(xs, ws, *, config: Config | None = None) -> j
   out_type = (jax.ShapeDtypeStruct((d, chunk, n), xs.dtype),
               jax.ShapeDtypeStruct((d, d - 1, chunk, n), xs.dtype))
   f = _build(transport_lib.LoopbackTransport(d), out_type=out_type, config=config,
-             num_devices=d, name="pallas_rs_loopback")
+             num_devices=d, name="pallas_rs_loopback", skip=_skip(ablate))
   return f(xs, ws)[0]

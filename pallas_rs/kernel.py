@@ -29,13 +29,22 @@ def _swizzled(block_minor_elems: int, dtype) -> tuple:
   return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
+ABLATIONS = frozenset({"comm", "reduce"})
+
+
 def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, *, config: Config, num_devices: int,
-                transport):
+                transport, skip: frozenset[str] = frozenset()):
   """One rank's program.
 
   Per rank (transport.bind selects it): x [m, k_shard], w [k_shard, n], out [m // D, n],
   recv [D - 1, m // D, n] (this rank's receive slots; None when D == 1).
+
+  `skip` leaves stages out, for timing only (the output is then wrong): "comm" stores peer
+  tiles into this rank's own receive slots instead of the peer's and drops signals and waits
+  (same local traffic, no NVLink, no synchronisation); "reduce" keeps the waits but not the
+  loads and adds of the received partials.
   """
+  assert skip <= ABLATIONS, skip
   d = num_devices
   rank = transport.rank()
   x_gmem, w_gmem, out_gmem, recv_local = transport.bind(x_gmem, w_gmem, out_gmem, recv_gmem, rank)
@@ -113,8 +122,11 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, *, config: Config, num_devi
 
     def reduce_tile(acc, tile, slices):
       """acc (f32) + received partials in slot order, rounded once, -> own output tile."""
-      transport.wait(sems, rank, tile, wg_idx, d - 1)
+      if "comm" not in skip:
+        transport.wait(sems, rank, tile, wg_idx, d - 1)
       loads = [(mi, ni, j) for mi, ni in epi_tiles for j in range(d - 1)]
+      if "reduce" in skip:
+        loads = []
 
       def issue(i):
         mi, ni, j = loads[i]
@@ -132,7 +144,7 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, *, config: Config, num_devi
       for mi, ni in epi_tiles:
         sm, sn = epi_slices(mi, ni)
         sub = acc[sm, sn]
-        for _ in range(d - 1):
+        for _ in range(len(loads) // len(epi_tiles)):
           buf = i % recv_stages
           plgpu.barrier_wait(part_barrier.at[wg_idx * recv_stages + buf])
           sub = sub + part_smem[wg_idx, buf].astype(jnp.float32)
@@ -163,7 +175,7 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, *, config: Config, num_devi
           eval_pipeline(acc_ref)
           # The previous tile's stores had this tile's whole mainloop to land.
           plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-          if d > 1:
+          if d > 1 and "comm" not in skip:
             is_remote_prev = (loop_info.local_index > 0) & (
                 (lin_idx - num_ctas) // tiles != schedule.own_step(d))
             @pl.when(is_remote_prev)
@@ -194,8 +206,11 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, *, config: Config, num_devi
               for o in range(1, d):
                 @pl.when(offset == o)
                 def _():
-                  peer_recv = transport.peer_recv(recv_gmem, rank, o)
-                  store_tile(acc, peer_recv.at[schedule.recv_slot(o - 1)].at[slices])
+                  if "comm" in skip:
+                    dst_recv = recv_local
+                  else:
+                    dst_recv = transport.peer_recv(recv_gmem, rank, o)
+                  store_tile(acc, dst_recv.at[schedule.recv_slot(o - 1)].at[slices])
 
       def mma_body(_, x_smem, w_smem, acc_ref):
         plgpu.wgmma(acc_ref, x_smem, w_smem.at[:, wg_n_slice])
@@ -210,7 +225,7 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, *, config: Config, num_devi
 
     # Announce this CTA's last tile if it went to a peer.
     plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-    if d > 1:
+    if d > 1 and "comm" not in skip:
       cta = lax.axis_index("cluster_grid")
       total = d * tiles
       count = (total - cta + num_ctas - 1) // num_ctas

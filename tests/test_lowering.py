@@ -178,3 +178,27 @@ def test_public_api_fused_forward_and_grad_lower_with_check_vma():
                          platforms=["cuda"])(x, w)
   assert "mosaic_gpu" in vg.mlir_module()  # the loss value needs the forward kernel
   assert [a.shape for a in vg.out_avals] == [(), (1024, 8192), (8192, 1024)]
+
+
+@pytest.mark.parametrize("ablate", [("comm",), ("reduce",), ("comm", "reduce")])
+def test_ablation_variants_lower(ablate):
+  mesh = helpers.make_mesh(8)
+  f = functools.partial(fused.fused_matmul_reduce_scatter, axis_name=helpers.AXIS,
+                        num_devices=8, ablate=ablate)
+  g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(None, helpers.AXIS), P(helpers.AXIS, None)),
+                            out_specs=P(helpers.AXIS, None), check_vma=False))
+  x = jax.ShapeDtypeStruct((512, 8192), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, helpers.AXIS)))
+  w = jax.ShapeDtypeStruct((8192, 8192), jnp.bfloat16, sharding=NamedSharding(mesh, P(helpers.AXIS, None)))
+  text = jax.export.export(g, platforms=["cuda"])(x, w).mlir_module()
+  assert "mosaic_gpu" in text
+  xs = jax.ShapeDtypeStruct((8, 1024, 256), jnp.bfloat16)
+  ws = jax.ShapeDtypeStruct((8, 256, 512), jnp.bfloat16)
+  jax.export.export(jax.jit(functools.partial(fused.loopback_matmul_reduce_scatter, ablate=ablate)),
+                    platforms=["cuda"])(xs, ws)
+
+
+def test_unknown_ablation_is_rejected():
+  xs = jax.ShapeDtypeStruct((8, 1024, 256), jnp.bfloat16)
+  ws = jax.ShapeDtypeStruct((8, 256, 512), jnp.bfloat16)
+  with pytest.raises(ValueError, match="must be a subset"):
+    fused.loopback_matmul_reduce_scatter(xs, ws, ablate=("gemm",))
