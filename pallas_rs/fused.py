@@ -31,10 +31,24 @@ def check_supported(*, m: int, k_shard: int, n: int, dtype, num_devices: int,
         f"fused kernel supports 1 to {MAX_DEVICES} devices (one node), got {num_devices=}")
   if m % num_devices:
     raise ValueError(f"{m=} must be divisible by {num_devices=}")
+  sms = gpu_num_sms()
   if config is None:
-    config = config_lib.default_config(m=m, n=n, k_shard=k_shard, num_devices=num_devices)
+    config = config_lib.default_config(m=m, n=n, k_shard=k_shard, num_devices=num_devices,
+                                       num_sms=sms or config_lib.DEFAULT_NUM_SMS)
+  if sms is not None and config.num_sms > sms:
+    # Every CTA must be resident: an owner's CTA waits on other ranks' CTAs, and a grid larger
+    # than the GPU could leave the CTAs that would signal it unscheduled (deadlock).
+    raise NotImplementedError(
+        f"config.num_sms={config.num_sms} exceeds the {sms} SMs of {jax.devices()[0].device_kind}")
   config.check_shape(m=m, n=n, k_shard=k_shard, num_devices=num_devices)
   return config
+
+
+def gpu_num_sms() -> int | None:
+  """SM count of the local GPU, or None without one (lowering from a CPU machine uses the
+  config's num_sms, DEFAULT_NUM_SMS by default)."""
+  dev = jax.devices()[0]
+  return getattr(dev, "core_count", None) if dev.platform == "gpu" else None
 
 
 def check_mesh(axis_name) -> None:

@@ -202,3 +202,12 @@ def test_unknown_ablation_is_rejected():
   ws = jax.ShapeDtypeStruct((8, 256, 512), jnp.bfloat16)
   with pytest.raises(ValueError, match="must be a subset"):
     fused.loopback_matmul_reduce_scatter(xs, ws, ablate=("gemm",))
+
+
+def test_grid_larger_than_the_gpu_is_refused(monkeypatch):
+  monkeypatch.setattr(fused, "gpu_num_sms", lambda: 114)  # e.g. an H100 PCIe
+  assert fused.check_supported(m=1024, k_shard=64, n=256, dtype=jnp.bfloat16,
+                               num_devices=8).num_sms == 114
+  with pytest.raises(NotImplementedError, match="num_sms=132 exceeds the 114 SMs"):
+    fused.check_supported(m=1024, k_shard=64, n=256, dtype=jnp.bfloat16, num_devices=8,
+                          config=config_lib.Config(num_sms=132))
