@@ -102,7 +102,8 @@ def rank_programs(rank: int, *, num_ctas: int, num_devices: int,
 def simulate(*, num_ctas: int, num_devices: int, tiles_per_chunk: int) -> dict[str, Any]:
   """Runs every CTA of every rank as a sequential process, round-robin.
 
-  Returns the final semaphore values and the order in which events completed. Raises
+  Models the co-resident persistent grid the kernel requires (fused.check_supported keeps
+  num_sms within the GPU). Returns the final semaphore values and the event order. Raises
   RuntimeError on deadlock (no CTA can make progress) or on a read of an unwritten slot.
   """
   d = num_devices
