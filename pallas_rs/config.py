@@ -134,14 +134,21 @@ def default_config(*, m: int, n: int, k_shard: int, num_devices: int,
   Raises NotImplementedError if no tiling fits the shape.
   """
   chunk = m // num_devices
-  tile_m = 128 if chunk % 128 == 0 else 64
-  tile_n = next((t for t in (128, 64, 32) if n % (2 * t) == 0), None)
-  tile_k = 64
-  if chunk % tile_m or tile_n is None or k_shard % tile_k:
+  where = f"(per-device problem m={m}, n={n}, k_shard={k_shard}, {num_devices=})"
+  if chunk < 64:
     raise NotImplementedError(
-        f"no kernel tiling for per-device problem m={m}, n={n}, k_shard={k_shard} at "
-        f"num_devices={num_devices}: needs m // num_devices % 64 == 0, n % 64 == 0 and "
-        f"k_shard % 64 == 0")
+        f"m // num_devices = {m} // {num_devices} = {chunk} rows is below the smallest tile "
+        f"(64); no padding {where}")
+  if chunk % 64:
+    raise NotImplementedError(
+        f"m // num_devices = {chunk} is not a multiple of 64 (tile_m); no padding {where}")
+  tile_n = next((t for t in (128, 64, 32) if n % (2 * t) == 0), None)
+  if tile_n is None:
+    raise NotImplementedError(f"{n=} is not a multiple of 64 (2 * tile_n); no padding {where}")
+  tile_k = 64
+  if k_shard % tile_k:
+    raise NotImplementedError(f"{k_shard=} is not a multiple of 64 (tile_k); no padding {where}")
+  tile_m = 128 if chunk % 128 == 0 else 64
   epi_tile_n = min(64, tile_n)
   cfg = Config(tile_m=tile_m, tile_n=tile_n, tile_k=tile_k, epi_tile_m=64,
                epi_tile_n=epi_tile_n, num_sms=num_sms)

@@ -76,10 +76,6 @@ IMPLEMENTATIONS = ("fused", "xla")
 SOURCES = ("table", "heuristic", "default", "override")
 MODES = ("single_gpu", "multi_gpu", "loopback")
 INFORMATIONAL_MODES = ("loopback",)
-SUPPORTED_DTYPES = ("bfloat16",)
-MAX_DEVICES = 8
-MIN_CHUNK_ROWS = 64  # the smallest tile_m
-TILE_ALIGN = 64      # m // D, n (2 * tile_n >= 64) and k_shard (tile_k)
 
 _KEY_FIELDS = {"gpu_kind": str, "num_devices": int, "m": int, "n": int,
                "k_shard": int, "dtype": str}
@@ -393,24 +389,13 @@ def active_table(table: Mapping[str, Any] | None = None) -> tuple[dict, str]:
 
 def unsupported_reason(*, m: int, n: int, k_shard: int, dtype: str,
                        num_devices: int) -> str | None:
-  """Why the kernel cannot take this shape at all (no padding), or None."""
-  if dtype not in SUPPORTED_DTYPES:
-    return f"fused kernel supports {SUPPORTED_DTYPES} only, got {dtype=}"
-  if not 1 <= num_devices <= MAX_DEVICES:
-    return f"fused kernel supports 1 to {MAX_DEVICES} devices, got {num_devices=}"
-  if m % num_devices:
-    return f"{m=} is not divisible by {num_devices=}"
-  chunk = m // num_devices
-  if chunk < MIN_CHUNK_ROWS:
-    return (f"m // num_devices = {m} // {num_devices} = {chunk} rows is below the "
-            f"smallest tile ({MIN_CHUNK_ROWS}); no padding: XLA is used")
-  if chunk % TILE_ALIGN:
-    return (f"m // num_devices = {chunk} is not a multiple of {TILE_ALIGN} "
-            f"(tile_m); no padding: XLA is used")
-  if n % TILE_ALIGN:
-    return f"{n=} is not a multiple of {TILE_ALIGN} (2 * tile_n); no padding: XLA is used"
-  if k_shard % TILE_ALIGN:
-    return f"{k_shard=} is not a multiple of {TILE_ALIGN} (tile_k); no padding: XLA is used"
+  """Why the kernel cannot take this shape at all (no padding), or None: the kernel's own
+  rule, `fused.check_supported` with its default config."""
+  from pallas_rs import fused  # pylint: disable=g-import-not-at-top  (fused is heavier to import)
+  try:
+    fused.check_supported(m=m, k_shard=k_shard, n=n, dtype=dtype, num_devices=num_devices)
+  except (NotImplementedError, ValueError, TypeError) as e:
+    return str(e)
   return None
 
 
