@@ -75,9 +75,9 @@ def _bwd(axis_name, scatter_dimension, implementation, config, res, dy):
   del config  # The forward's kernel config does not apply to the all-gather matmul.
   x, w = res
   if implementation == "fused":
-    # The forward ran the fused kernel: overlap the backward's all-gather matmul too (jax's
-    # collective_matmul_mgpu where it applies, else XLA, the reason logged once). "auto" and
-    # "xla" keep the XLA composition until a measurement gates the overlapped one in.
+    # The forward ran the fused kernel (asked for, or chosen by "auto" from a measurement):
+    # overlap the backward's all-gather matmul too (jax's collective_matmul_mgpu where it
+    # applies, else XLA with the reason logged once). An XLA forward keeps an XLA backward.
     from pallas_rs import ag_matmul  # pylint: disable=g-import-not-at-top  (ag_matmul -> api -> vjp)
     dx, dy_full = ag_matmul.all_gather_matmul(
         dy, w.T, axis_name, gather_dimension=scatter_dimension, out_dtype=x.dtype,
