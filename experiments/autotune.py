@@ -103,7 +103,8 @@ def _short(cfg) -> str:
   if cfg is None:
     return "-"
   return (f"m{cfg.tile_m}n{cfg.tile_n}s{cfg.max_concurrent_steps}"
-          f"{cfg.grid_minor_dim.name}w{cfg.grid_tile_width}r{cfg.recv_stages}")
+          f"{cfg.grid_minor_dim.name}w{cfg.grid_tile_width}r{cfg.recv_stages}"
+          + (f"e{cfg.eager_signal_steps}" if cfg.eager_signal_steps else ""))
 
 
 def time_candidate(label: str, fn, args, ref, *, num_devices: int,

@@ -37,6 +37,9 @@ class Config:
     grid_minor_dim: minor dimension of the snake order of tiles within a chunk.
     grid_tile_width: width of the snake bands.
     num_sms: CTAs of the persistent grid (all ranks together in loopback mode).
+    eager_signal_steps: how many of the last remote steps (destinations) announce each
+      tile as soon as its store lands, instead of at the start of the CTA's next epilogue
+      (schedule.py). 0 (default) defers every signal; D - 1 or more makes all eager.
   """
   tile_m: int = 128
   tile_n: int = 128
@@ -48,6 +51,7 @@ class Config:
   grid_minor_dim: MatmulDimension = MatmulDimension.N
   grid_tile_width: int = 1
   num_sms: int = DEFAULT_NUM_SMS
+  eager_signal_steps: int = 0
 
   def __post_init__(self):
     tile_m, tile_n, tile_k = self.tile_m, self.tile_n, self.tile_k
@@ -72,6 +76,8 @@ class Config:
       raise ValueError(f"grid_tile_width={self.grid_tile_width} must be >= 1")
     if self.num_sms < 1:
       raise ValueError(f"num_sms={self.num_sms} must be >= 1")
+    if self.eager_signal_steps < 0:
+      raise ValueError(f"eager_signal_steps={self.eager_signal_steps} must be >= 0")
     object.__setattr__(self, "grid_minor_dim", MatmulDimension(self.grid_minor_dim))
 
   @property
@@ -160,14 +166,15 @@ def default_config(*, m: int, n: int, k_shard: int, num_devices: int,
 def search_space(*, m: int, n: int, k_shard: int, num_devices: int,
                  num_sms: int = DEFAULT_NUM_SMS) -> Iterator[Config]:
   """Every config the tuner may try for this shape: valid and within the SMEM limit."""
-  for tile_m, tile_n, steps, recv_stages, minor, width in itertools.product(
+  for tile_m, tile_n, steps, recv_stages, minor, width, eager in itertools.product(
       (64, 128), (64, 128), (2, 3, 4, 5), (1, 2, 4),
-      (MatmulDimension.N, MatmulDimension.M), (1, 4)):
-    if num_devices == 1 and recv_stages != 1:
+      (MatmulDimension.N, MatmulDimension.M), (1, 4), (0, 1)):
+    if num_devices == 1 and (recv_stages != 1 or eager):
       continue
     cfg = Config(tile_m=tile_m, tile_n=tile_n, tile_k=64, max_concurrent_steps=steps,
                  epi_tile_m=64, epi_tile_n=64, recv_stages=recv_stages,
-                 grid_minor_dim=minor, grid_tile_width=width, num_sms=num_sms)
+                 grid_minor_dim=minor, grid_tile_width=width, num_sms=num_sms,
+                 eager_signal_steps=eager)
     try:
       cfg.check_shape(m=m, n=n, k_shard=k_shard, num_devices=num_devices)
     except NotImplementedError:

@@ -63,6 +63,7 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, *, config: Config, num_devi
   in_transforms = _swizzled(tile_k, dtype)
   epi_transforms = _swizzled(epi_n, out_dtype)
   sems = transport.semaphores(tiles) if d > 1 else None
+  first_eager = schedule.first_eager_step(d, config.eager_signal_steps)
 
   def get_pipeline(pipeline_body, compute_context):
     return plgpu.emit_pipeline_warp_specialized(
@@ -176,9 +177,9 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, *, config: Config, num_devi
           # The previous tile's stores had this tile's whole mainloop to land.
           plgpu.wait_smem_to_gmem(0, wait_read_only=False)
           if d > 1 and "comm" not in skip:
-            is_remote_prev = (loop_info.local_index > 0) & (
-                (lin_idx - num_ctas) // tiles != schedule.own_step(d))
-            @pl.when(is_remote_prev)
+            is_deferred_prev = (loop_info.local_index > 0) & (
+                (lin_idx - num_ctas) // tiles < first_eager)
+            @pl.when(is_deferred_prev)
             def _():
               signal_tile(lin_idx - num_ctas)
 
@@ -211,6 +212,11 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, *, config: Config, num_devi
                   else:
                     dst_recv = transport.peer_recv(recv_gmem, rank, o)
                   store_tile(acc, dst_recv.at[schedule.recv_slot(o - 1)].at[slices])
+                  if "comm" not in skip and o - 1 >= first_eager:
+                    # Offset o is computed at step o - 1 (static here). An eager step waits
+                    # for its store and announces the tile now (schedule.py).
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+                    transport.signal(sems, rank, o, tile, wg_idx)
 
       def mma_body(_, x_smem, w_smem, acc_ref):
         plgpu.wgmma(acc_ref, x_smem, w_smem.at[:, wg_n_slice])
@@ -223,15 +229,14 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, *, config: Config, num_devi
           allocations=pipeline_allocs,
       )
 
-    # Announce this CTA's last tile if it went to a peer.
+    # Announce this CTA's last tile if it went to a peer with a deferred signal.
     plgpu.wait_smem_to_gmem(0, wait_read_only=False)
     if d > 1 and "comm" not in skip:
       cta = lax.axis_index("cluster_grid")
       total = d * tiles
       count = (total - cta + num_ctas - 1) // num_ctas
       last = cta + (count - 1) * num_ctas
-      @pl.when((wg_idx < _NUM_COMPUTE_WGS) & (count > 0)
-               & (last // tiles != schedule.own_step(d)))
+      @pl.when((wg_idx < _NUM_COMPUTE_WGS) & (count > 0) & (last // tiles < first_eager))
       def _():
         signal_tile(last)
 

@@ -11,7 +11,9 @@ epilogue waits for `D - 1` signals on `(t, wg)`, then adds slots `0 .. D-2` in t
 its fp32 accumulator and rounds once.
 
 A signal for a remote tile is sent lazily: at the start of the epilogue of the CTA's next tile
-(the store has had a whole mainloop to land), or after the loop for the CTA's last tile.
+(the store has had a whole mainloop to land), or after the loop for the CTA's last tile. The
+last `eager_signal_steps` remote steps instead wait for their store right away and signal at
+once (`first_eager_step`): the owner, who computes its own chunk next, waits less.
 
 The functions below accept Python ints and traced int32 scalars alike.
 """
@@ -45,6 +47,11 @@ def own_step(num_devices: int) -> int:
   return num_devices - 1
 
 
+def first_eager_step(num_devices: int, eager_signal_steps: int) -> int:
+  """Remote steps >= this signal eagerly; own_step (no remote step) when none does."""
+  return max(0, own_step(num_devices) - eager_signal_steps)
+
+
 @dataclasses.dataclass(frozen=True)
 class Event:
   """One action of a CTA, in program order.
@@ -69,16 +76,18 @@ def cta_tiles(cta: int, num_ctas: int, num_devices: int, tiles_per_chunk: int) -
 
 
 def cta_program(rank: int, cta: int, *, num_ctas: int, num_devices: int,
-                tiles_per_chunk: int) -> list[Event]:
+                tiles_per_chunk: int, eager_signal_steps: int = 0) -> list[Event]:
   """The ordered events of one CTA, mirroring kernel.py's loop body."""
   d = num_devices
+  first_eager = first_eager_step(d, eager_signal_steps)
+  deferred = lambda e: e is not None and e.step < first_eager  # A remote, lazy signal.
   events = []
   prev = None
   for lin in cta_tiles(cta, num_ctas, d, tiles_per_chunk):
     step, tile = step_and_tile(lin, tiles_per_chunk)
     dst = (rank + dst_offset(step, d)) % d
     events.append(Event("compute", rank, cta, step, tile, dst))
-    if prev is not None and prev.step != own_step(d):
+    if deferred(prev):
       events.append(Event("signal", rank, cta, prev.step, prev.tile, prev.dst, prev.slot))
     if step == own_step(d):
       if d > 1:
@@ -88,18 +97,22 @@ def cta_program(rank: int, cta: int, *, num_ctas: int, num_devices: int,
     else:
       prev = Event("store", rank, cta, step, tile, dst, recv_slot(step))
       events.append(prev)
-  if prev is not None and prev.step != own_step(d):
+      if not deferred(prev):
+        events.append(Event("signal", rank, cta, step, tile, dst, prev.slot))
+  if deferred(prev):
     events.append(Event("signal", rank, cta, prev.step, prev.tile, prev.dst, prev.slot))
   return events
 
 
-def rank_programs(rank: int, *, num_ctas: int, num_devices: int,
-                  tiles_per_chunk: int) -> list[list[Event]]:
+def rank_programs(rank: int, *, num_ctas: int, num_devices: int, tiles_per_chunk: int,
+                  eager_signal_steps: int = 0) -> list[list[Event]]:
   return [cta_program(rank, c, num_ctas=num_ctas, num_devices=num_devices,
-                      tiles_per_chunk=tiles_per_chunk) for c in range(num_ctas)]
+                      tiles_per_chunk=tiles_per_chunk, eager_signal_steps=eager_signal_steps)
+          for c in range(num_ctas)]
 
 
-def simulate(*, num_ctas: int, num_devices: int, tiles_per_chunk: int) -> dict[str, Any]:
+def simulate(*, num_ctas: int, num_devices: int, tiles_per_chunk: int,
+             eager_signal_steps: int = 0) -> dict[str, Any]:
   """Runs every CTA of every rank as a sequential process, round-robin.
 
   Models the co-resident persistent grid the kernel requires (fused.check_supported keeps
@@ -108,8 +121,9 @@ def simulate(*, num_ctas: int, num_devices: int, tiles_per_chunk: int) -> dict[s
   """
   d = num_devices
   programs = {(r, c): prog for r in range(d)
-              for c, prog in enumerate(rank_programs(r, num_ctas=num_ctas, num_devices=d,
-                                                     tiles_per_chunk=tiles_per_chunk))}
+              for c, prog in enumerate(rank_programs(
+                  r, num_ctas=num_ctas, num_devices=d, tiles_per_chunk=tiles_per_chunk,
+                  eager_signal_steps=eager_signal_steps))}
   pcs = {key: 0 for key in programs}
   sems: dict[tuple[int, int, int], int] = {}
   landed: set[tuple[int, int, int]] = set()  # (dst, slot, tile) stores that completed

@@ -530,7 +530,9 @@ def choose(*, m: int, n: int, k_shard: int, dtype, num_devices: int, gpu_kind: s
 # Fields varied one at a time around the default, in this priority order; each
 # value list is ordered nearest-first.
 _VARIANT_FIELDS = ("tile_m", "tile_n", "grid_minor_dim", "grid_tile_width",
-                   "max_concurrent_steps", "recv_stages")
+                   "max_concurrent_steps", "recv_stages", "eager_signal_steps")
+# Fields that change nothing at D = 1 (no receive buffers, no signals).
+_MULTI_DEVICE_FIELDS = ("recv_stages", "eager_signal_steps")
 
 
 def candidate_configs(*, m: int, n: int, k_shard: int, num_devices: int,
@@ -540,7 +542,7 @@ def candidate_configs(*, m: int, n: int, k_shard: int, num_devices: int,
 
   Deterministic. After the default come configs differing from it in one field
   (tile_m, then tile_n, grid_minor_dim, grid_tile_width, max_concurrent_steps,
-  recv_stages: one variant of each field before a second of any), then two
+  recv_stages, eager_signal_steps: one variant of each field before a second of any), then two
   fields, and so on; so the first few cover every axis once. Every config is
   valid for the shape and within the SMEM limit. Empty if the kernel cannot
   take the shape.
@@ -553,7 +555,7 @@ def candidate_configs(*, m: int, n: int, k_shard: int, num_devices: int,
   space = list(config_lib.search_space(m=m, n=n, k_shard=k_shard,
                                        num_devices=num_devices, num_sms=num_sms))
   fields = [f for f in _VARIANT_FIELDS
-            if not (f == "recv_stages" and num_devices == 1)]
+            if not (f in _MULTI_DEVICE_FIELDS and num_devices == 1)]
   if num_devices == 1:
     # recv_stages allocates nothing at D = 1: configs differing only in it are
     # the same kernel, so take the default's value.

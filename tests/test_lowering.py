@@ -211,3 +211,13 @@ def test_grid_larger_than_the_gpu_is_refused(monkeypatch):
   with pytest.raises(NotImplementedError, match="num_sms=132 exceeds the 114 SMs"):
     fused.check_supported(m=1024, k_shard=64, n=256, dtype=jnp.bfloat16, num_devices=8,
                           config=config_lib.Config(num_sms=132))
+
+
+@pytest.mark.parametrize("eager", [1, 7])
+def test_eager_signal_configs_lower(eager):
+  cfg = config_lib.Config(tile_m=64, tile_n=128, eager_signal_steps=eager)
+  _export_shard_map(512, 8192, 8192, 8, config=cfg)
+  xs = jax.ShapeDtypeStruct((8, 1024, 256), jnp.bfloat16)
+  ws = jax.ShapeDtypeStruct((8, 256, 512), jnp.bfloat16)
+  jax.export.export(jax.jit(functools.partial(fused.loopback_matmul_reduce_scatter, config=cfg)),
+                    platforms=["cuda"])(xs, ws)

@@ -86,3 +86,22 @@ def test_detects_missing_signal(monkeypatch):
   monkeypatch.setattr(schedule, "cta_program", drop_last_signal)
   with pytest.raises(RuntimeError, match="deadlock"):
     schedule.simulate(num_ctas=1, num_devices=2, tiles_per_chunk=2)
+
+
+@pytest.mark.parametrize("eager", [1, 2, 7, 20])
+@pytest.mark.parametrize("d,tiles,ctas", [(8, 32, 132), (4, 7, 5), (2, 3, 1), (8, 64, 16)])
+def test_eager_signal_variants(d, tiles, ctas, eager, monkeypatch):
+  orig = schedule.simulate
+  monkeypatch.setattr(schedule, "simulate",
+                      lambda **kw: orig(**kw, eager_signal_steps=eager))
+  _check(d, tiles, ctas)
+
+
+def test_eager_signal_follows_the_store():
+  events = schedule.cta_program(0, 0, num_ctas=1, num_devices=2, tiles_per_chunk=2,
+                                eager_signal_steps=1)
+  kinds = [(e.kind, e.step, e.tile) for e in events]
+  # Step 0 is the last remote step at D = 2: each store is announced right away.
+  assert kinds.index(("signal", 0, 0)) == kinds.index(("store", 0, 0)) + 1
+  assert kinds.index(("signal", 0, 0)) < kinds.index(("compute", 0, 1))
+  assert sum(k == "signal" for k, _, _ in kinds) == 2
