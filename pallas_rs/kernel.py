@@ -111,15 +111,15 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, *, config: Config, num_devi
         def _():
           transport.signal(sems, rank, o, tile, wg_idx)
 
-    def store_tile(acc, dst_ref):
-      """acc [tile_m, tile_n] (out_dtype) -> dst_ref [tile_m, tile_n] through SMEM."""
+    def store_tile(subs, dst_ref):
+      """Epilogue sub-tiles `subs` (out_dtype, in epi_tiles order) -> dst_ref [tile_m, tile_n]
+      through the double-buffered SMEM slots."""
       for i, (mi, ni) in enumerate(epi_tiles):
-        sm, sn = epi_slices(mi, ni)
         slot = i % num_out_slots
         plgpu.wait_smem_to_gmem(num_out_slots - 1, wait_read_only=True)
-        out_smem[wg_idx, slot] = acc[sm, sn]
+        out_smem[wg_idx, slot] = subs[i]
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem.at[wg_idx, slot], dst_ref.at[sm, sn])
+        plgpu.copy_smem_to_gmem(out_smem.at[wg_idx, slot], dst_ref.at[epi_slices(mi, ni)])
 
     def reduce_tile(acc, tile, slices):
       """acc (f32) + received partials in slot order, rounded once, -> own output tile."""
@@ -192,18 +192,13 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, *, config: Config, num_devi
             else:
               acc = acc_ref[...].astype(out_dtype)
               summed = [acc[epi_slices(mi, ni)] for mi, ni in epi_tiles]
-            dst_ref = out_gmem.at[slices]
-            for i, (mi, ni) in enumerate(epi_tiles):
-              slot = i % num_out_slots
-              plgpu.wait_smem_to_gmem(num_out_slots - 1, wait_read_only=True)
-              out_smem[wg_idx, slot] = summed[i]
-              plgpu.commit_smem()
-              plgpu.copy_smem_to_gmem(out_smem.at[wg_idx, slot], dst_ref.at[epi_slices(mi, ni)])
+            store_tile(summed, out_gmem.at[slices])
 
           if d > 1:
             @pl.when(jnp.logical_not(is_own))
             def _remote():
               acc = acc_ref[...].astype(out_dtype)
+              subs = [acc[epi_slices(mi, ni)] for mi, ni in epi_tiles]
               for o in range(1, d):
                 @pl.when(offset == o)
                 def _():
@@ -211,7 +206,7 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, *, config: Config, num_devi
                     dst_recv = recv_local
                   else:
                     dst_recv = transport.peer_recv(recv_gmem, rank, o)
-                  store_tile(acc, dst_recv.at[schedule.recv_slot(o - 1)].at[slices])
+                  store_tile(subs, dst_recv.at[schedule.recv_slot(o - 1)].at[slices])
                   if "comm" not in skip and o - 1 >= first_eager:
                     # Offset o is computed at step o - 1 (static here). An eager step waits
                     # for its store and announces the tile now (schedule.py).
