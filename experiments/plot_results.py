@@ -59,6 +59,12 @@ def _title(doc, what):
           f"x{env.get('device_count')} ({doc.get('timer')}){claims}")
 
 
+def _save(fig, path: Path) -> Path:
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return path
+
 def _bar_groups(ax, labels, series: dict[str, list], ylabel):
   x = np.arange(len(labels))
   width = 0.8 / max(len(series), 1)
@@ -88,11 +94,7 @@ def plot_sharded(doc, stem: str, out_dir: Path) -> list[Path]:
   ax.legend(fontsize=7)
   ax.set_title(_title(doc, "E = (T_gemm + T_comm - T_fused) / min"),
                fontsize=8)
-  fig.tight_layout()
-  path = out_dir / f"{stem}_efficiency.png"
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
-  written.append(path)
+  written.append(_save(fig, out_dir / f"{stem}_efficiency.png"))
 
   fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(labels) + 3), 4.5))
   series = {f"T_{b}": [_median(shapes[s].get(b, {})) for s in labels]
@@ -107,11 +109,7 @@ def plot_sharded(doc, stem: str, out_dir: Path) -> list[Path]:
   _bar_groups(ax, labels, series, "median time (us)")
   ax.set_yscale("log")
   ax.set_title(_title(doc, "time breakdown"), fontsize=8)
-  fig.tight_layout()
-  path = out_dir / f"{stem}_times.png"
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
-  written.append(path)
+  written.append(_save(fig, out_dir / f"{stem}_times.png"))
   return written
 
 
@@ -127,11 +125,7 @@ def plot_single_gpu(doc, stem: str, out_dir: Path) -> list[Path]:
     _bar_groups(ax, local, {"T_fused / T_xla (D = 1)": ratios}, "ratio")
     ax.axhline(1.0, color="red", linestyle="--", linewidth=1)
     ax.set_title(_title(doc, "D = 1 GEMM: fused kernel / XLA dot"), fontsize=8)
-    fig.tight_layout()
-    path = out_dir / f"{stem}_local_ratio.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    written.append(path)
+    written.append(_save(fig, out_dir / f"{stem}_local_ratio.png"))
   loop = [s for s, recs in shapes.items() if "loopback_reference" in recs]
   if loop:
     fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(loop) + 3), 4.5))
@@ -141,11 +135,7 @@ def plot_single_gpu(doc, stem: str, out_dir: Path) -> list[Path]:
     ax.set_yscale("log")
     ax.set_title(_title(doc, "loopback (D virtual ranks on one GPU)"),
                  fontsize=8)
-    fig.tight_layout()
-    path = out_dir / f"{stem}_loopback.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    written.append(path)
+    written.append(_save(fig, out_dir / f"{stem}_loopback.png"))
   return written
 
 

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from pallas_rs import config as config_lib
 from pallas_rs import kernel as kernel_lib
+from pallas_rs import schedule
 from pallas_rs import transport as transport_lib
 
 Config = config_lib.Config
@@ -96,7 +97,7 @@ def _build(transport, *, out_type, config: Config, num_devices: int, name: str,
       grid_names=grid_names,
       cluster=(1,),
       cluster_names=("cluster",),
-      num_threads=kernel_lib._NUM_COMPUTE_WGS + 1,
+      num_threads=schedule.NUM_COMPUTE_WGS + 1,  # + the TMA (memory) warpgroup
       thread_name="wg",
       compiler_params=_compiler_params(),
       kernel_name=name,
