@@ -121,16 +121,14 @@ def _choose_implementation(*, m: int, k_shard: int, n: int, dtype,
   from pallas_rs import tuning  # pylint: disable=g-import-not-at-top
   try:
     fused.check_mesh(axis_name)
-    chosen = fused.check_supported(m=m, k_shard=k_shard, n=n, dtype=dtype,
-                                   num_devices=num_devices, config=config)
+    fused.check_supported(m=m, k_shard=k_shard, n=n, dtype=dtype,
+                          num_devices=num_devices, config=config)
   except NotImplementedError as e:
     return "xla", config, str(e)
-  if config is not None:
-    # An explicit config overrides the table's gate: the user asked for it.
-    return "fused", chosen, None
+  # An explicit config overrides the table's gate (tuning's "override" source).
   decision = tuning.choose(m=m, n=n, k_shard=k_shard, dtype=dtype,
                            num_devices=num_devices,
-                           gpu_kind=jax.devices()[0].device_kind)
+                           gpu_kind=jax.devices()[0].device_kind, config=config)
   if decision.implementation == "fused":
     return "fused", decision.config, None
   return "xla", None, f"tuning ({decision.source}): {decision.reason}"

@@ -9,6 +9,7 @@ import pytest
 
 import helpers
 import pallas_rs
+from pallas_rs import config as config_lib
 from pallas_rs import api
 from pallas_rs import reference
 from pallas_rs import shapes
@@ -174,9 +175,10 @@ def test_auto_on_hopper_falls_back_once_per_reason(monkeypatch):
 
   # A supported shape: with an explicit config "auto" honours it; without one, the tuning
   # table decides, and an unmeasured shape stays on XLA (never claim a win not measured).
-  monkeypatch.setattr(fused, "check_supported", lambda **kw: "chosen config")
-  assert api._choose_implementation(**dict(kw, config="chosen config"))[:2] == (
-      "fused", "chosen config")
+  monkeypatch.setattr(fused, "check_supported", lambda **kw: kw.get("config"))
+  chosen = config_lib.Config(tile_m=64, tile_n=64)  # fits m // 8 = 128 rows, n = 128
+  assert api._choose_implementation(**dict(kw, m=1024, config=chosen))[:2] == (
+      "fused", chosen)
   impl, _, reason = api._choose_implementation(**kw)
   assert impl == "xla" and "tuning" in reason
 
