@@ -16,6 +16,7 @@ SMEM_SLACK_BYTES = 2_048
 # SM count of an H100/H200 SXM: the kernel is compiled for a fixed persistent grid so that it
 # can be lowered without a GPU (jax.export from a CPU machine).
 DEFAULT_NUM_SMS = 132
+PARTIAL_DTYPES = ("bfloat16", "float32")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +41,13 @@ class Config:
     eager_signal_steps: how many of the last remote steps (destinations) announce each
       tile as soon as its store lands, instead of at the start of the CTA's next epilogue
       (schedule.py). 0 (default) defers every signal; D - 1 or more makes all eager.
+    comm_ctas: CTAs per rank that only move partial tiles to their owners (docs/design.md
+      section 3). 0: the compute CTAs TMA-store each peer tile straight to its owner. n > 0:
+      compute CTAs store peer tiles to a local staging buffer (HBM speed) and these n CTAs
+      push them over NVLink, so no compute SM waits at NVLink pace.
+    partial_dtype: dtype of the partial tiles sent to their owners, "bfloat16" or "float32".
+      With float32 the owner rounds the sum of all D partials once (never less accurate
+      than the unfused bf16 reduce-scatter), at twice the bytes.
   """
   tile_m: int = 128
   tile_n: int = 128
@@ -52,6 +60,8 @@ class Config:
   grid_tile_width: int = 1
   num_sms: int = DEFAULT_NUM_SMS
   eager_signal_steps: int = 0
+  comm_ctas: int = 0
+  partial_dtype: str = "bfloat16"
 
   def __post_init__(self):
     tile_m, tile_n, tile_k = self.tile_m, self.tile_n, self.tile_k
@@ -78,6 +88,10 @@ class Config:
       raise ValueError(f"num_sms={self.num_sms} must be >= 1")
     if self.eager_signal_steps < 0:
       raise ValueError(f"eager_signal_steps={self.eager_signal_steps} must be >= 0")
+    if self.comm_ctas < 0:
+      raise ValueError(f"comm_ctas={self.comm_ctas} must be >= 0")
+    if self.partial_dtype not in PARTIAL_DTYPES:
+      raise ValueError(f"partial_dtype={self.partial_dtype!r} must be one of {PARTIAL_DTYPES}")
     object.__setattr__(self, "grid_minor_dim", MatmulDimension(self.grid_minor_dim))
 
   @property

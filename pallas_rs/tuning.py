@@ -154,6 +154,10 @@ def config_from_json(obj: Mapping[str, Any]) -> Config:
   for name, value in kw.items():
     if name == "grid_minor_dim":
       continue
+    if name == "partial_dtype":
+      if not isinstance(value, str):
+        raise ValueError(f"config field {name}={value!r} must be a string")
+      continue
     if not isinstance(value, int) or isinstance(value, bool):
       raise ValueError(f"config field {name}={value!r} must be an int")
   if "grid_minor_dim" in kw:
