@@ -106,16 +106,37 @@ class Config:
   def num_out_slots(self) -> int:
     return min(2, (self.tile_m * self.tile_n) // (self.epi_tile_m * self.epi_tile_n))
 
+  @property
+  def partial_itemsize(self) -> int:
+    return 4 if self.partial_dtype == "float32" else 2
+
+  @property
+  def comm_buffer_sets(self) -> int:
+    """SMEM buffers per comm warpgroup (whole warpgroup tiles): 3 where they fit, else 2."""
+    tile = self.tile_m * self.tile_n * self.partial_itemsize
+    return 3 if 2 * 3 * tile + SMEM_SLACK_BYTES <= SMEM_LIMIT_BYTES else 2
+
   def smem_bytes(self, num_devices: int, itemsize: int = 2) -> int:
-    """Shared memory of the kernel, as allocated by kernel.py (plus a fixed slack)."""
+    """Shared memory of a compute CTA, as allocated by kernel.py (plus a fixed slack)."""
     pipeline = (self.cta_tile_m + self.cta_tile_n) * self.tile_k * self.max_concurrent_steps
     epi = self.epi_tile_m * self.epi_tile_n
-    out = 2 * self.num_out_slots * epi
-    recv = 2 * self.recv_stages * epi if num_devices > 1 else 0
-    return (pipeline + out + recv) * itemsize + SMEM_SLACK_BYTES
+    total = (pipeline + 2 * self.num_out_slots * epi) * itemsize
+    if num_devices > 1:
+      total += 2 * self.recv_stages * epi * self.partial_itemsize
+      if self.partial_itemsize != itemsize:  # Separate SMEM slots for the partials sent.
+        total += 2 * self.num_out_slots * epi * self.partial_itemsize
+    return total + SMEM_SLACK_BYTES
+
+  def comm_smem_bytes(self) -> int:
+    """Shared memory of a comm CTA (0 without comm CTAs)."""
+    if not self.comm_ctas:
+      return 0
+    tile = self.tile_m * self.tile_n * self.partial_itemsize
+    return 2 * self.comm_buffer_sets * tile + SMEM_SLACK_BYTES
 
   def fits_smem(self, num_devices: int, limit: int = SMEM_LIMIT_BYTES) -> bool:
-    return self.smem_bytes(num_devices) <= limit
+    comm = self.comm_smem_bytes() if num_devices > 1 else 0
+    return max(self.smem_bytes(num_devices), comm) <= limit
 
   def check_shape(self, *, m: int, n: int, k_shard: int, num_devices: int) -> None:
     """Raises NotImplementedError if the kernel cannot take this (legal) problem with this config."""
@@ -131,8 +152,14 @@ class Config:
       raise NotImplementedError(f"{k_shard=} is not a multiple of tile_k={self.tile_k}")
     if not self.fits_smem(num_devices):
       raise NotImplementedError(
-          f"config needs {self.smem_bytes(num_devices)} B of shared memory at "
-          f"{num_devices=}, over the {SMEM_LIMIT_BYTES} B limit: {self}")
+          f"config needs {self.smem_bytes(num_devices)} B (compute CTA) and "
+          f"{self.comm_smem_bytes()} B (comm CTA) of shared memory at {num_devices=}, over "
+          f"the {SMEM_LIMIT_BYTES} B limit: {self}")
+    if num_devices > 1 and self.comm_ctas >= self.num_sms // num_devices:
+      # Loopback runs num_sms // D CTAs per rank; on devices each rank has num_sms.
+      raise NotImplementedError(
+          f"comm_ctas={self.comm_ctas} leaves no compute CTA among the "
+          f"num_sms // num_devices = {self.num_sms} // {num_devices} CTAs of a loopback rank")
 
 
 def tiles_per_chunk(config: Config, *, m: int, n: int, num_devices: int) -> int:

@@ -108,6 +108,15 @@ def _no_recv(body, x, w, out):
   body(x, w, out, None)
 
 
+def _exchange_buffers(lead: tuple[int, ...], num_devices: int, chunk: int, n: int,
+                      config: Config) -> tuple[jax.ShapeDtypeStruct, ...]:
+  """The receive slots [*lead, D - 1, chunk, n] and, with comm CTAs, the staging buffer of the
+  same shape, in the config's partial dtype: extra kernel outputs (uninitialised), because
+  peers can only address kernel arguments (docs/design.md section 7)."""
+  buf = jax.ShapeDtypeStruct((*lead, num_devices - 1, chunk, n), jnp.dtype(config.partial_dtype))
+  return (buf, buf) if config.comm_ctas else (buf,)
+
+
 def fused_matmul_reduce_scatter(x, w, *, axis_name, num_devices: int,
                                 config: Config | None = None, ablate=()) -> jax.Array:
   """Inside shard_map over `axis_name` (size num_devices): x [m, k_shard], w [k_shard, n]
@@ -121,9 +130,9 @@ def fused_matmul_reduce_scatter(x, w, *, axis_name, num_devices: int,
   config = check_supported(m=m, k_shard=k_shard, n=n, dtype=x.dtype,
                            num_devices=num_devices, config=config)
   chunk = m // num_devices
-  out = jax.ShapeDtypeStruct((chunk, n), x.dtype)
-  out_type = (out,) if num_devices == 1 else (
-      out, jax.ShapeDtypeStruct((num_devices - 1, chunk, n), x.dtype))
+  out_type = (jax.ShapeDtypeStruct((chunk, n), x.dtype),)
+  if num_devices > 1:
+    out_type += _exchange_buffers((), num_devices, chunk, n, config)
   f = _build(transport_lib.NVLinkTransport(axis_name, num_devices), out_type=out_type,
              config=config, num_devices=num_devices, name="pallas_rs_matmul_rs",
              skip=_skip(ablate))
@@ -158,7 +167,7 @@ def loopback_matmul_reduce_scatter(xs, ws, *, config: Config | None = None,
     raise NotImplementedError(f"loopback needs num_sms >= D, got {config.num_sms=}, {d=}")
   chunk = m // d
   out_type = (jax.ShapeDtypeStruct((d, chunk, n), xs.dtype),
-              jax.ShapeDtypeStruct((d, d - 1, chunk, n), xs.dtype))
+              *_exchange_buffers((d,), d, chunk, n, config))
   f = _build(transport_lib.LoopbackTransport(d), out_type=out_type, config=config,
              num_devices=d, name="pallas_rs_loopback", skip=_skip(ablate))
   return f(xs, ws)[0]

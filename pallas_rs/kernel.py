@@ -3,9 +3,12 @@
 A fork of jax's `hopper_matmul_mgpu.kernel` (same pipeline, tiling and warp specialisation:
 two compute warpgroups split the CTA tile along N, one memory warpgroup issues TMA loads) whose
 persistent tile loop walks all `num_devices` row chunks in the staggered order of schedule.py
-and whose epilogue either pushes the tile to its owner or reduces the received partials.
-Communication goes through a transport (transport.py), so the same body runs on real devices
-(NVLink) and as virtual ranks on one GPU (loopback).
+and whose epilogue either hands the tile on towards its owner or reduces the received partials
+(docs/design.md section 3). A peer tile goes either straight from the compute CTA to the owner
+(`comm_ctas == 0`) or through a local staging buffer that `comm_ctas` dedicated CTAs push to
+the owner (section 3.2), so that no compute SM waits at NVLink pace. Communication goes through a
+transport (transport.py), so the same body runs on real devices (NVLink) and as virtual ranks
+on one GPU (loopback).
 """
 from __future__ import annotations
 
@@ -32,23 +35,34 @@ def _swizzled(block_minor_elems: int, dtype) -> tuple:
 ABLATIONS = frozenset({"comm", "reduce"})
 
 
-def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, *, config: Config, num_devices: int,
-                transport, skip: frozenset[str] = frozenset()):
+def _strided_loop(start, stride, total, body):
+  """body(index, local_step) for index = start, start + stride, ... < total."""
+  count = jnp.maximum(total - start + stride - 1, 0) // stride
+  lax.fori_loop(0, count, lambda i, c: (body(start + i * stride, i), c)[1], None)
+  return count
+
+
+def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config: Config,
+                num_devices: int, transport, skip: frozenset[str] = frozenset()):
   """One rank's program.
 
   Per rank (transport.bind selects it): x [m, k_shard], w [k_shard, n], out [m // D, n],
-  recv [D - 1, m // D, n] (this rank's receive slots; None when D == 1).
+  recv [D - 1, m // D, n] (this rank's receive slots, partial_dtype; None when D == 1),
+  stage [D - 1, m // D, n] (partial_dtype; only with comm CTAs: this rank's peer tiles, waiting
+  to be pushed).
 
-  `skip` leaves stages out, for timing only (the output is then wrong): "comm" stores peer
-  tiles into this rank's own receive slots instead of the peer's and drops signals and waits
-  (same local traffic, no NVLink, no synchronisation); "reduce" keeps the waits but not the
-  loads and adds of the received partials.
+  `skip` leaves stages out, for timing only (the output is then wrong): "comm" keeps every
+  partial tile local (stored into this rank's own receive slots, or only staged) and drops
+  the pushes, signals and waits (same local traffic, no NVLink, no synchronisation); "reduce"
+  keeps the waits but not the loads and adds of the received partials.
   """
   assert skip <= ABLATIONS, skip
   d = num_devices
   rank = transport.rank()
-  x_gmem, w_gmem, out_gmem, recv_local = transport.bind(x_gmem, w_gmem, out_gmem, recv_gmem, rank)
+  x_gmem, w_gmem, out_gmem, recv_local, stage_local = transport.bind(
+      x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem, rank)
   dtype, out_dtype = x_gmem.dtype, out_gmem.dtype
+  part_dtype = jnp.dtype(config.partial_dtype) if d > 1 else out_dtype
   m, k_shard = x_gmem.shape
   n = w_gmem.shape[1]
   chunk = m // d
@@ -60,10 +74,22 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, *, config: Config, num_devi
   k_iters = k_shard // tile_k
   num_out_slots = config.num_out_slots
   recv_stages = config.recv_stages
+  num_comm = config.comm_ctas if d > 1 else 0
+  assert (num_comm > 0) == (stage_local is not None), (num_comm, stage_gmem)
   in_transforms = _swizzled(tile_k, dtype)
   epi_transforms = _swizzled(epi_n, out_dtype)
-  sems = transport.semaphores(tiles) if d > 1 else None
+  part_transforms = _swizzled(epi_n, part_dtype)
+  sems = transport.semaphores(tiles, d - 1 if num_comm else 0) if d > 1 else None
   first_eager = schedule.first_eager_step(d, config.eager_signal_steps)
+  cta = lax.axis_index("cluster_grid")
+  num_ctas = lax.axis_size("cluster_grid")
+
+  def tile_slices(tile, wg_idx):
+    """Rows and columns of warpgroup `wg_idx`'s part of `tile`, within a [chunk, n] array."""
+    m_idx, n_idx = plgpu.planar_snake(tile, (m_iters, n_iters), config.grid_minor_dim,
+                                      config.grid_tile_width)
+    return m_idx, n_idx, (pl.ds(m_idx * cta_tile_m, tile_m),
+                          pl.ds(n_idx * cta_tile_n + wg_idx * tile_n, tile_n))
 
   def get_pipeline(pipeline_body, compute_context):
     return plgpu.emit_pipeline_warp_specialized(
@@ -89,150 +115,233 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, *, config: Config, num_devi
                           transforms=epi_transforms),
   )
   if d > 1:
-    scoped["part_smem"] = plgpu.SMEM((_NUM_COMPUTE_WGS, recv_stages, epi_m, epi_n), out_dtype,
-                                     transforms=epi_transforms)
+    scoped["part_smem"] = plgpu.SMEM((_NUM_COMPUTE_WGS, recv_stages, epi_m, epi_n), part_dtype,
+                                     transforms=part_transforms)
     scoped["part_barrier"] = plgpu.Barrier(num_barriers=_NUM_COMPUTE_WGS * recv_stages)
+    if part_dtype != out_dtype:
+      scoped["send_smem"] = plgpu.SMEM((_NUM_COMPUTE_WGS, num_out_slots, epi_m, epi_n),
+                                       part_dtype, transforms=part_transforms)
 
-  @functools.partial(pl.run_scoped, collective_axes="wg", **scoped)
-  def _scope(pipeline_allocs, out_smem, part_smem=None, part_barrier=None):
-    wg_idx = lax.axis_index("wg")
-    num_ctas = lax.axis_size("cluster_grid")
-    epi_tiles = [(mi, ni) for mi in range(tile_m // epi_m) for ni in range(tile_n // epi_n)]
+  def compute_program(cta_index, num_compute):
+    """The GEMM: CTA `cta_index` of `num_compute` walks linear tiles cta_index, +num_compute..."""
 
-    def epi_slices(mi, ni):
-      return slice(mi * epi_m, (mi + 1) * epi_m), slice(ni * epi_n, (ni + 1) * epi_n)
+    @functools.partial(pl.run_scoped, collective_axes="wg", **scoped)
+    def _scope(pipeline_allocs, out_smem, part_smem=None, part_barrier=None, send_smem=None):
+      wg_idx = lax.axis_index("wg")
+      epi_tiles = [(mi, ni) for mi in range(tile_m // epi_m) for ni in range(tile_n // epi_n)]
+      if send_smem is None:
+        send_smem = out_smem
 
-    def signal_tile(lin_idx):
-      """Announces the remote tile `lin_idx` of this warpgroup (its stores have landed)."""
-      step, tile = schedule.step_and_tile(lin_idx, tiles)
-      offset = schedule.dst_offset(step, d)
-      for o in range(1, d):  # Static peers: see transport.py.
-        @pl.when(offset == o)
-        def _():
-          transport.signal(sems, rank, o, tile, wg_idx)
+      def epi_slices(mi, ni):
+        return slice(mi * epi_m, (mi + 1) * epi_m), slice(ni * epi_n, (ni + 1) * epi_n)
 
-    def store_tile(subs, dst_ref):
-      """Epilogue sub-tiles `subs` (out_dtype, in epi_tiles order) -> dst_ref [tile_m, tile_n]
-      through the double-buffered SMEM slots."""
-      for i, (mi, ni) in enumerate(epi_tiles):
-        slot = i % num_out_slots
-        plgpu.wait_smem_to_gmem(num_out_slots - 1, wait_read_only=True)
-        out_smem[wg_idx, slot] = subs[i]
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem.at[wg_idx, slot], dst_ref.at[epi_slices(mi, ni)])
+      def announce(step, tile):
+        """Tells whoever moves the remote tile (step, tile) next that its stores have landed:
+        the owner (direct push) or this rank's comm CTAs (staging)."""
+        if num_comm:
+          transport.signal_staged(sems, rank, step, tile, wg_idx)
+          return
+        offset = schedule.dst_offset(step, d)
+        for o in range(1, d):  # Static peers: see transport.py.
+          @pl.when(offset == o)
+          def _():
+            transport.signal(sems, rank, o, tile, wg_idx)
 
-    def reduce_tile(acc, tile, slices):
-      """acc (f32) + received partials in slot order, rounded once, -> own output tile."""
-      if "comm" not in skip:
-        transport.wait(sems, rank, tile, wg_idx, d - 1)
-      loads = [(mi, ni, j) for mi, ni in epi_tiles for j in range(d - 1)]
-      if "reduce" in skip:
-        loads = []
+      def store_tile(subs, smem, dst_ref):
+        """Epilogue sub-tiles `subs` (in epi_tiles order) -> dst_ref [tile_m, tile_n] through
+        the double-buffered SMEM slots of `smem`."""
+        for i, (mi, ni) in enumerate(epi_tiles):
+          slot = i % num_out_slots
+          plgpu.wait_smem_to_gmem(num_out_slots - 1, wait_read_only=True)
+          smem[wg_idx, slot] = subs[i]
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(smem.at[wg_idx, slot], dst_ref.at[epi_slices(mi, ni)])
 
-      def issue(i):
-        mi, ni, j = loads[i]
-        sm, sn = epi_slices(mi, ni)
-        buf = i % recv_stages
-        plgpu.copy_gmem_to_smem(
-            recv_local.at[j].at[slices].at[sm, sn],
-            part_smem.at[wg_idx, buf],
-            part_barrier.at[wg_idx * recv_stages + buf])
+      def reduce_tile(acc, tile, slices):
+        """acc (f32) + received partials in slot order, rounded once, -> own output tile."""
+        if "comm" not in skip:
+          transport.wait(sems, rank, tile, wg_idx, d - 1)
+        loads = [(mi, ni, j) for mi, ni in epi_tiles for j in range(d - 1)]
+        if "reduce" in skip:
+          loads = []
 
-      for i in range(min(recv_stages, len(loads))):
-        issue(i)
-      i = 0
-      summed = []
-      for mi, ni in epi_tiles:
-        sm, sn = epi_slices(mi, ni)
-        sub = acc[sm, sn]
-        for _ in range(len(loads) // len(epi_tiles)):
+        def issue(i):
+          mi, ni, j = loads[i]
+          sm, sn = epi_slices(mi, ni)
           buf = i % recv_stages
-          plgpu.barrier_wait(part_barrier.at[wg_idx * recv_stages + buf])
-          sub = sub + part_smem[wg_idx, buf].astype(jnp.float32)
-          if i + recv_stages < len(loads):
-            plgpu.commit_smem()  # Every thread has read `buf` before TMA overwrites it.
-            issue(i + recv_stages)
-          i += 1
-        summed.append(sub.astype(out_dtype))
-      return summed
+          plgpu.copy_gmem_to_smem(
+              recv_local.at[j].at[slices].at[sm, sn],
+              part_smem.at[wg_idx, buf],
+              part_barrier.at[wg_idx * recv_stages + buf])
 
-    @plgpu.nd_loop((d * tiles,), collective_axes="cluster_grid")
-    def _tile_loop(loop_info: plgpu.NDLoopInfo):
-      (lin_idx,) = loop_info.index
-      step, tile = schedule.step_and_tile(lin_idx, tiles)
-      offset = schedule.dst_offset(step, d)
-      dst = lax.rem(rank + offset, d)
-      m_idx, n_idx = plgpu.planar_snake(tile, (m_iters, n_iters), config.grid_minor_dim,
-                                        config.grid_tile_width)
-      row0 = m_idx * cta_tile_m
-      cta_n_slice = pl.ds(n_idx * cta_tile_n, cta_tile_n)
-      wg_n_slice = pl.ds(wg_idx * tile_n, tile_n)
-      # Rows and columns of this warpgroup's part of the tile, within a [chunk, n] array.
-      slices = (pl.ds(row0, tile_m), pl.ds(n_idx * cta_tile_n + wg_idx * tile_n, tile_n))
+        for i in range(min(recv_stages, len(loads))):
+          issue(i)
+        i = 0
+        summed = []
+        for mi, ni in epi_tiles:
+          sm, sn = epi_slices(mi, ni)
+          sub = acc[sm, sn]
+          for _ in range(len(loads) // len(epi_tiles)):
+            buf = i % recv_stages
+            plgpu.barrier_wait(part_barrier.at[wg_idx * recv_stages + buf])
+            sub = sub + part_smem[wg_idx, buf].astype(jnp.float32)
+            if i + recv_stages < len(loads):
+              plgpu.commit_smem()  # Every thread has read `buf` before TMA overwrites it.
+              issue(i + recv_stages)
+            i += 1
+          summed.append(sub.astype(out_dtype))
+        return summed
 
-      def compute_context(eval_pipeline):
-        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
-        def _acc_scope(acc_ref):
-          eval_pipeline(acc_ref)
-          # The previous tile's stores had this tile's whole mainloop to land.
-          plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-          if d > 1 and "comm" not in skip:
-            is_deferred_prev = (loop_info.local_index > 0) & (
-                (lin_idx - num_ctas) // tiles < first_eager)
-            @pl.when(is_deferred_prev)
-            def _():
-              signal_tile(lin_idx - num_ctas)
+      def tile_body(lin_idx, local_step):
+        step, tile = schedule.step_and_tile(lin_idx, tiles)
+        offset = schedule.dst_offset(step, d)
+        dst = lax.rem(rank + offset, d)
+        _, n_idx, slices = tile_slices(tile, wg_idx)
+        row0 = slices[0].start
+        cta_n_slice = pl.ds(n_idx * cta_tile_n, cta_tile_n)
+        wg_n_slice = pl.ds(wg_idx * tile_n, tile_n)
 
-          is_own = step == schedule.own_step(d)
+        def compute_context(eval_pipeline):
+          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
+          def _acc_scope(acc_ref):
+            eval_pipeline(acc_ref)
+            # The previous tile's stores had this tile's whole mainloop to land.
+            plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+            if d > 1 and "comm" not in skip:
+              prev_step, prev_tile = schedule.step_and_tile(lin_idx - num_compute, tiles)
+              @pl.when((local_step > 0) & (prev_step < first_eager))
+              def _():
+                announce(prev_step, prev_tile)
 
-          @pl.when(is_own)
-          def _own():
+            is_own = step == schedule.own_step(d)
+
+            @pl.when(is_own)
+            def _own():
+              if d > 1:
+                summed = reduce_tile(acc_ref[...], tile, slices)
+              else:
+                acc = acc_ref[...].astype(out_dtype)
+                summed = [acc[epi_slices(mi, ni)] for mi, ni in epi_tiles]
+              store_tile(summed, out_smem, out_gmem.at[slices])
+
             if d > 1:
-              summed = reduce_tile(acc_ref[...], tile, slices)
-            else:
-              acc = acc_ref[...].astype(out_dtype)
-              summed = [acc[epi_slices(mi, ni)] for mi, ni in epi_tiles]
-            store_tile(summed, out_gmem.at[slices])
+              @pl.when(jnp.logical_not(is_own))
+              def _remote():
+                acc = acc_ref[...].astype(part_dtype)
+                subs = [acc[epi_slices(mi, ni)] for mi, ni in epi_tiles]
+                if num_comm:
+                  # Local staging at HBM speed; the comm CTAs push it (comm_program).
+                  store_tile(subs, send_smem, stage_local.at[step].at[slices])
+                for o in range(1, d):
+                  @pl.when(offset == o)
+                  def _():
+                    if not num_comm:
+                      if "comm" in skip:
+                        dst_recv = recv_local
+                      else:
+                        dst_recv = transport.peer_recv(recv_gmem, rank, o)
+                      store_tile(subs, send_smem,
+                                 dst_recv.at[schedule.recv_slot(o - 1)].at[slices])
+                    if "comm" not in skip and o - 1 >= first_eager:
+                      # Offset o is computed at step o - 1 (static here). An eager step waits
+                      # for its store and announces the tile now (schedule.py).
+                      plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+                      announce(o - 1, tile)
 
-          if d > 1:
-            @pl.when(jnp.logical_not(is_own))
-            def _remote():
-              acc = acc_ref[...].astype(out_dtype)
-              subs = [acc[epi_slices(mi, ni)] for mi, ni in epi_tiles]
-              for o in range(1, d):
-                @pl.when(offset == o)
-                def _():
-                  if "comm" in skip:
-                    dst_recv = recv_local
-                  else:
-                    dst_recv = transport.peer_recv(recv_gmem, rank, o)
-                  store_tile(subs, dst_recv.at[schedule.recv_slot(o - 1)].at[slices])
-                  if "comm" not in skip and o - 1 >= first_eager:
-                    # Offset o is computed at step o - 1 (static here). An eager step waits
-                    # for its store and announces the tile now (schedule.py).
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-                    transport.signal(sems, rank, o, tile, wg_idx)
+        def mma_body(_, x_smem, w_smem, acc_ref):
+          plgpu.wgmma(acc_ref, x_smem, w_smem.at[:, wg_n_slice])
+          plgpu.wgmma_wait(0)
+          return acc_ref
 
-      def mma_body(_, x_smem, w_smem, acc_ref):
-        plgpu.wgmma(acc_ref, x_smem, w_smem.at[:, wg_n_slice])
-        plgpu.wgmma_wait(0)
-        return acc_ref
+        get_pipeline(mma_body, compute_context)(
+            x_gmem.at[pl.ds(dst * chunk + row0, cta_tile_m), :],
+            w_gmem.at[:, cta_n_slice],
+            allocations=pipeline_allocs,
+        )
 
-      get_pipeline(mma_body, compute_context)(
-          x_gmem.at[pl.ds(dst * chunk + row0, cta_tile_m), :],
-          w_gmem.at[:, cta_n_slice],
-          allocations=pipeline_allocs,
-      )
-
-    # Announce this CTA's last tile if it went to a peer with a deferred signal.
-    plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-    if d > 1 and "comm" not in skip:
-      cta = lax.axis_index("cluster_grid")
       total = d * tiles
-      count = (total - cta + num_ctas - 1) // num_ctas
-      last = cta + (count - 1) * num_ctas
-      @pl.when((wg_idx < _NUM_COMPUTE_WGS) & (count > 0) & (last // tiles < first_eager))
-      def _():
-        signal_tile(last)
+      count = _strided_loop(cta_index, num_compute, total, tile_body)
+      # Announce this CTA's last tile if it went to a peer with a deferred signal.
+      plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+      if d > 1 and "comm" not in skip:
+        last_step, last_tile = schedule.step_and_tile(cta_index + (count - 1) * num_compute,
+                                                      tiles)
+        @pl.when((wg_idx < _NUM_COMPUTE_WGS) & (count > 0) & (last_step < first_eager))
+        def _():
+          announce(last_step, last_tile)
+
+  def comm_program(comm_index):
+    """Comm CTA `comm_index` of `num_comm`: for each peer in schedule order, pushes the staged
+    tiles comm_index, +num_comm, ... (each compute warpgroup's half by the warpgroup of the same
+    index) to the owner's receive slot and signals the owner once they have landed. Each tile
+    goes GMEM -> SMEM -> peer GMEM by TMA; `sets` SMEM buffers let the next tile's local load
+    overlap this tile's remote store."""
+    sets = config.comm_buffer_sets
+    comm_scoped = dict(
+        buf=plgpu.SMEM((_NUM_COMPUTE_WGS, sets, tile_m, tile_n), part_dtype),
+        barrier=plgpu.Barrier(num_barriers=_NUM_COMPUTE_WGS * sets),
+    )
+
+    @functools.partial(pl.run_scoped, collective_axes="wg", **comm_scoped)
+    def _scope(buf, barrier):
+      wg_idx = lax.axis_index("wg")
+
+      @pl.when(wg_idx < _NUM_COMPUTE_WGS)
+      def _pusher():
+        count = jnp.maximum(tiles - comm_index + num_comm - 1, 0) // num_comm
+        tile_of = lambda j: comm_index + j * num_comm
+        for o in range(1, d):  # Static peers: see transport.py.
+          step = o - 1
+          dst_recv = transport.peer_recv(recv_gmem, rank, o).at[schedule.recv_slot(step)]
+
+          def load(j, step=step):
+            tile = tile_of(j)
+            transport.wait_staged(sems, rank, step, tile, wg_idx)
+            s = lax.rem(j, sets)
+            plgpu.copy_gmem_to_smem(stage_local.at[step].at[tile_slices(tile, wg_idx)[2]],
+                                    buf.at[wg_idx, s], barrier.at[wg_idx * sets + s])
+
+          @pl.when(count > 0)
+          def _():
+            load(0)
+
+          def push(j, carry, o=o, dst_recv=dst_recv, load=load):
+            tile = tile_of(j)
+            s = lax.rem(j, sets)
+            plgpu.barrier_wait(barrier.at[wg_idx * sets + s])
+            plgpu.copy_smem_to_gmem(buf.at[wg_idx, s], dst_recv.at[tile_slices(tile, wg_idx)[2]])
+
+            @pl.when(j > 0)
+            def _():
+              # Tile j - 1 has landed once at most tile j's store is pending.
+              plgpu.wait_smem_to_gmem(1, wait_read_only=False)
+              transport.signal(sems, rank, o, tile_of(j - 1), wg_idx)
+
+            @pl.when(j + 1 < count)
+            def _():
+              # Set (j + 1) % sets last held tile j + 1 - sets; the sets - 1 stores issued
+              # after it may still read SMEM, it may not.
+              plgpu.wait_smem_to_gmem(sets - 1, wait_read_only=True)
+              load(j + 1)
+            return carry
+
+          lax.fori_loop(0, count, push, None)
+          plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+
+          @pl.when(count > 0)
+          def _():
+            transport.signal(sems, rank, o, tile_of(count - 1), wg_idx)
+
+  if num_comm and "comm" not in skip:
+    @pl.when(cta < num_comm)
+    def _comm():
+      comm_program(cta)
+
+  if num_comm:
+    @pl.when(cta >= num_comm)
+    def _compute():
+      compute_program(cta - num_comm, num_ctas - num_comm)
+  else:
+    compute_program(cta, num_ctas)
 
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)

@@ -1,8 +1,14 @@
 """How ranks reach each other: real devices over NVLink, or virtual ranks on one GPU.
 
-Both expose the same small interface to kernel.py. Peers are always named by a *static*
-offset `o` (destination `(rank + o) % D`), because a TMA store to a peer builds its descriptor on
-the host, which can only recompute the peer id from arithmetic on `lax.axis_index`.
+Both expose the same small interface to kernel.py (docs/design.md section 4). Peers are always
+named by a *static* offset `o` (destination `(rank + o) % D`), because a TMA store to a peer
+builds its descriptor on the host, which can only recompute the peer id from arithmetic on
+`lax.axis_index`.
+
+Semaphores: one array per rank, zeroed by XLA on every call. Row 0 holds the owner's
+"partial arrived" counters `(tile, wg)` (signalled by peers, D - 1 per tile); with comm CTAs,
+row 1 + s holds the local "staged" flags of remote step s `(tile, wg)` (signalled once by the
+compute warpgroup that staged the tile, waited on by the comm CTA that pushes it).
 """
 from __future__ import annotations
 
@@ -33,9 +39,9 @@ class NVLinkTransport:
       return 0
     return lax.axis_index(self.axis_name)
 
-  def bind(self, x, w, out, recv, rank):
+  def bind(self, x, w, out, recv, stage, rank):
     del rank
-    return x, w, out, recv
+    return x, w, out, recv, stage
 
   def _peer(self, rank, offset: int):
     return lax.rem(rank + offset, self.num_devices)
@@ -43,15 +49,23 @@ class NVLinkTransport:
   def peer_recv(self, recv, rank, offset: int):
     return plgpu.remote_ref(recv, self._peer(rank, offset))
 
-  def semaphores(self, tiles: int):
-    return pl.get_global(plgpu.SemaphoreType.REGULAR((tiles, NUM_COMPUTE_WGS)))
+  def semaphores(self, tiles: int, staged_steps: int):
+    return pl.get_global(plgpu.SemaphoreType.REGULAR((1 + staged_steps, tiles, NUM_COMPUTE_WGS)))
 
   def signal(self, sems, rank, offset: int, tile, wg):
-    pl.semaphore_signal(sems.at[tile, wg], 1, device_id=self._peer(rank, offset))
+    pl.semaphore_signal(sems.at[0, tile, wg], 1, device_id=self._peer(rank, offset))
 
   def wait(self, sems, rank, tile, wg, value: int):
     del rank
-    pl.semaphore_wait(sems.at[tile, wg], value, decrement=False)
+    pl.semaphore_wait(sems.at[0, tile, wg], value, decrement=False)
+
+  def signal_staged(self, sems, rank, step, tile, wg):
+    del rank
+    pl.semaphore_signal(sems.at[1 + step, tile, wg], 1)
+
+  def wait_staged(self, sems, rank, step, tile, wg):
+    del rank
+    pl.semaphore_wait(sems.at[1 + step, tile, wg], 1, decrement=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,9 +73,9 @@ class LoopbackTransport:
   """D virtual ranks on one GPU: rank r is the CTAs with grid index r along axis "rank".
 
   Kernel arguments are stacked over ranks: x [D, m, k_shard], w [D, k_shard, n],
-  out [D, m // D, n], recv [D, D - 1, m // D, n]; semaphores are indexed by rank. All
-  `num_sms` CTAs must be resident at once (one per SM), or a rank could wait on a rank that
-  never gets scheduled: the grid is exactly `num_sms // D` CTAs per rank.
+  out [D, m // D, n], recv [D, D - 1, m // D, n], stage [D, D - 1, m // D, n]; semaphores are
+  indexed by rank. All `num_sms` CTAs must be resident at once (one per SM), or a rank could
+  wait on a rank that never gets scheduled: the grid is exactly `num_sms // D` CTAs per rank.
   """
   num_devices: int
 
@@ -71,18 +85,25 @@ class LoopbackTransport:
   def rank(self):
     return lax.axis_index("rank")
 
-  def bind(self, x, w, out, recv, rank):
-    return x.at[rank], w.at[rank], out.at[rank], None if recv is None else recv.at[rank]
+  def bind(self, x, w, out, recv, stage, rank):
+    at = lambda a: None if a is None else a.at[rank]
+    return x.at[rank], w.at[rank], out.at[rank], at(recv), at(stage)
 
   def peer_recv(self, recv, rank, offset: int):
     return recv.at[lax.rem(rank + offset, self.num_devices)]
 
-  def semaphores(self, tiles: int):
-    return pl.get_global(
-        plgpu.SemaphoreType.REGULAR((self.num_devices, tiles, NUM_COMPUTE_WGS)))
+  def semaphores(self, tiles: int, staged_steps: int):
+    return pl.get_global(plgpu.SemaphoreType.REGULAR(
+        (self.num_devices, 1 + staged_steps, tiles, NUM_COMPUTE_WGS)))
 
   def signal(self, sems, rank, offset: int, tile, wg):
-    pl.semaphore_signal(sems.at[lax.rem(rank + offset, self.num_devices), tile, wg], 1)
+    pl.semaphore_signal(sems.at[lax.rem(rank + offset, self.num_devices), 0, tile, wg], 1)
 
   def wait(self, sems, rank, tile, wg, value: int):
-    pl.semaphore_wait(sems.at[rank, tile, wg], value, decrement=False)
+    pl.semaphore_wait(sems.at[rank, 0, tile, wg], value, decrement=False)
+
+  def signal_staged(self, sems, rank, step, tile, wg):
+    pl.semaphore_signal(sems.at[rank, 1 + step, tile, wg], 1)
+
+  def wait_staged(self, sems, rank, step, tile, wg):
+    pl.semaphore_wait(sems.at[rank, 1 + step, tile, wg], 1, decrement=False)

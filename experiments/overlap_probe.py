@@ -1,0 +1,203 @@
+"""Communication paths of the fused kernel side by side, on real NVLink (docs/design.md 3.2).
+
+  NCCL_NVLS_ENABLE=0 PYTHONPATH=. python experiments/overlap_probe.py --what=check,time
+
+"check": every config variant (direct push v1, comm CTAs, fp32 partials) against an fp32
+reference and the unfused path, at D = the visible GPUs (NVLink) and in loopback at D = 2, 4, 8
+on one GPU; each run twice (bit-determinism), and every bf16-partial variant bit-compared
+with v1 (same arithmetic, other transport: the bits must agree).
+"time": per shape, XLA's dot (T_gemm), psum_scatter alone (T_comm), dot + psum_scatter
+(T_seq), and each variant with and without its communication (ablate="comm": the exposed
+communication is the difference). JSON with raw times under --out; a table last.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from pathlib import Path
+import statistics
+import sys
+import time
+
+import bench_env  # experiments/ is sys.path[0] when run as a script.
+
+from absl import app
+from absl import flags
+
+_WHAT = flags.DEFINE_list("what", ["check", "time"], "check and/or time.")
+_NAMES = flags.DEFINE_list(
+    "names", ["llama70b_o_proj_m512", "mixtral8x22b_w2_m512", "mixtral8x22b_o_proj_m2048",
+              "llama70b_o_proj_m8192", "llama70b_down_proj_m8192"],
+    "Shapes (pallas_rs.shapes) to time; k_shard = k // D.")
+_PROXY = flags.DEFINE_list(
+    "proxy", ["llama70b_o_proj_m8192", "mixtral8x22b_w2_m2048"],
+    "Shapes also timed with k = K / 4 (at D = 2 the k_shard of D = 8).")
+_VARIANTS = flags.DEFINE_list(
+    "variants", ["v1", "c2", "c4", "c8", "c16", "c4_f32", "direct_f32"],
+    "Config variants: v1 (direct push), cN (N comm CTAs), *_f32 (fp32 partials).")
+_ITERS = flags.DEFINE_integer("iterations", 40, "Timed iterations per variant.")
+_OUT = flags.DEFINE_string("out", "", "JSON output path.")
+
+
+def variant_config(base, name: str):
+  """The config of a variant name: v1, cN, direct_f32, cN_f32."""
+  parts = name.split("_")
+  kw = {}
+  if parts[0].startswith("c"):
+    kw["comm_ctas"] = int(parts[0][1:])
+  if parts[-1] == "f32":
+    kw.update(partial_dtype="float32", epi_tile_n=min(32, base.epi_tile_n))
+  cfg = dataclasses.replace(base, **kw)
+  steps = cfg.max_concurrent_steps
+  while not cfg.fits_smem(2) and steps > 2:  # fp32 send slots take SMEM from the pipeline.
+    steps -= 1
+    cfg = dataclasses.replace(cfg, max_concurrent_steps=steps)
+  return cfg
+
+
+def main(argv):
+  del argv
+  bench_env.configure_environment("auto")
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax import lax  # pylint: disable=g-import-not-at-top
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from pallas_rs import config as config_lib  # pylint: disable=g-import-not-at-top
+  from pallas_rs import fused, reference, shapes, testing, timing  # pylint: disable=g-import-not-at-top
+
+  gpus = jax.devices()
+  if gpus[0].platform != "gpu":
+    raise app.UsageError("overlap_probe.py runs the Mosaic GPU kernel: it needs a Hopper GPU")
+  d_nv = len(gpus)
+  record = dict(environment=bench_env.environment_block(sys.argv), checks=[], rows=[])
+  out_path = Path(_OUT.value) if _OUT.value else (
+      bench_env.REPO / "experiments" / "results" / "overlap_probe.json")
+
+  def save():
+    bench_env.write_json(out_path, bench_env.sanitize(record))
+
+  def mesh_fns(d, m, n, k_shard, cfg, ablate=()):
+    mesh = jax.make_mesh((d,), ("tp",), devices=gpus[:d])
+    specs = dict(mesh=mesh, in_specs=(P(None, "tp"), P("tp", None)), out_specs=P("tp", None),
+                 check_vma=False)
+    fused_fn = jax.jit(jax.shard_map(functools.partial(
+        fused.fused_matmul_reduce_scatter, axis_name="tp", num_devices=d, config=cfg,
+        ablate=ablate), **specs))
+    return mesh, specs, fused_fn
+
+  def stacked_to_global(xs, ws, mesh):
+    x = jax.device_put(jnp.concatenate(list(xs), axis=1), NamedSharding(mesh, P(None, "tp")))
+    w = jax.device_put(jnp.concatenate(list(ws), axis=0), NamedSharding(mesh, P("tp", None)))
+    return x, w
+
+  # ---------------------------------------------------------------- check
+  if "check" in _WHAT.value:
+    cases = [("nvlink", d_nv, 512 * d_nv, 1024, 2048), ("nvlink", d_nv, 256 * d_nv, 768, 1536)]
+    cases += [("loopback", d, 128 * d * 2, 1024, 512) for d in (2, 4, 8)]
+    for transport, d, m, n, k_shard in cases:
+      if transport == "nvlink" and d < 2:
+        continue
+      xs, ws = testing.stacked_inputs(jax.random.key(m + n + d), d, m, k_shard, n)
+      ref = testing.stacked_reference(xs, ws)
+      base = config_lib.default_config(m=m, n=n, k_shard=k_shard, num_devices=d)
+      outs = {}
+      for name in _VARIANTS.value:
+        cfg = variant_config(base, name)
+        if transport == "loopback" and cfg.comm_ctas >= cfg.num_sms // d:
+          continue
+        try:
+          if transport == "nvlink":
+            mesh, specs, fn = mesh_fns(d, m, n, k_shard, cfg)
+            args = stacked_to_global(xs, ws, mesh)
+            unfused = jax.jit(jax.shard_map(functools.partial(
+                reference.matmul_reduce_scatter, axis_name="tp"), **specs))
+            get = lambda o: np.asarray(jax.device_get(o).astype(np.float32)).reshape(d, m // d, n)
+          else:
+            fn = jax.jit(functools.partial(fused.loopback_matmul_reduce_scatter, config=cfg))
+            args = (xs, ws)
+            unfused = jax.jit(reference.loopback_matmul_reduce_scatter)
+            get = lambda o: np.asarray(jax.device_get(o).astype(np.float32))
+          a = get(fn(*args))
+          b = get(fn(*args))
+          err = reference.max_rel_error(a, ref)
+          err_unfused = reference.max_rel_error(get(unfused(*args)), ref)
+          outs[name] = a
+          row = dict(transport=transport, d=d, m=m, n=n, k_shard=k_shard, variant=name,
+                     config=dataclasses.asdict(cfg) | {"grid_minor_dim": cfg.grid_minor_dim.name},
+                     err=err, err_unfused=err_unfused, ratio=err / err_unfused,
+                     deterministic=bool(np.array_equal(a, b)),
+                     nan=bool(np.isnan(a).any()))
+          if not name.endswith("f32") and "v1" in outs:
+            row["bits_equal_v1"] = bool(np.array_equal(a, outs["v1"]))
+        except Exception as e:  # pylint: disable=broad-except
+          row = dict(transport=transport, d=d, m=m, n=n, variant=name, error=repr(e)[:500])
+        record["checks"].append(row)
+        print("check", {k: v for k, v in row.items() if k != "config"}, flush=True)
+        save()
+
+  # ---------------------------------------------------------------- time
+  if "time" in _WHAT.value and d_nv >= 2:
+    d = d_nv
+    todo = [(n_, False) for n_ in _NAMES.value] + [(n_, True) for n_ in _PROXY.value]
+    for name, proxy in todo:
+      case = shapes.by_name(name)
+      k = case.k // 4 if proxy else case.k
+      m, n, k_shard = case.m, case.n, k // d
+      label = name + ("_proxy8" if proxy else "")
+      xs, ws = testing.stacked_inputs(jax.random.key(1), d, m, k_shard, n)
+      base = config_lib.default_config(m=m, n=n, k_shard=k_shard, num_devices=d)
+      mesh, specs, _ = mesh_fns(d, m, n, k_shard, base)
+      args = stacked_to_global(xs, ws, mesh)
+      y = jax.device_put(jnp.zeros((m * d, n), jnp.bfloat16) + 1, NamedSharding(mesh, P("tp", None)))
+      row = dict(name=label, d=d, m=m, n=n, k_shard=k_shard, times_us={}, configs={})
+      base_fns = {
+          "xla_gemm": (jax.jit(jax.shard_map(
+              lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(a.dtype),
+              **dict(specs, out_specs=P(None, "tp")))), args),
+          "xla_comm": (jax.jit(jax.shard_map(
+              lambda t: lax.psum_scatter(t, "tp", scatter_dimension=0, tiled=True),
+              mesh=mesh, in_specs=P("tp", None), out_specs=P("tp", None), check_vma=False)), (y,)),
+          "xla_seq": (jax.jit(jax.shard_map(functools.partial(
+              reference.matmul_reduce_scatter, axis_name="tp"), **specs)), args),
+      }
+      for key, (fn, a) in base_fns.items():
+        row["times_us"][key] = timing.time_function(fn, a, iterations=_ITERS.value,
+                                                    num_devices=d).times_us
+      for vname in _VARIANTS.value:
+        cfg = variant_config(base, vname)
+        row["configs"][vname] = dataclasses.asdict(cfg) | {"grid_minor_dim": cfg.grid_minor_dim.name}
+        for ablate in ((), ("comm",)):
+          key = vname + ("_nocomm" if ablate else "")
+          t0 = time.time()
+          try:
+            _, _, fn = mesh_fns(d, m, n, k_shard, cfg, ablate)
+            row["times_us"][key] = timing.time_function(
+                fn, args, iterations=_ITERS.value, num_devices=d).times_us
+          except Exception as e:  # pylint: disable=broad-except
+            row.setdefault("errors", {})[key] = repr(e)[:500]
+          print(label, key, f"{time.time() - t0:.1f}s", flush=True)
+      record["rows"].append(row)
+      save()
+      med = {k_: statistics.median(v) for k_, v in row["times_us"].items()}
+      print(label, {k_: round(v, 1) for k_, v in med.items()}, flush=True)
+
+  # ---------------------------------------------------------------- summary
+  print("\nchecks: variant transport D ratio deterministic bits_equal_v1")
+  for c in record["checks"]:
+    print(f"  {c['variant']:12} {c['transport']:8} {c['d']} "
+          f"{c.get('ratio', float('nan')):.3f} {c.get('deterministic')} "
+          f"{c.get('bits_equal_v1', '-')} {c.get('error', '')[:80]}")
+  if record["rows"]:
+    print("\ntimes (us, median): shape gemm comm seq | variant fused/nocomm ...")
+    for r in record["rows"]:
+      med = {k_: statistics.median(v) for k_, v in r["times_us"].items()}
+      head = f"{r['name'][:30]:30} {med['xla_gemm']:8.1f} {med['xla_comm']:8.1f} {med['xla_seq']:8.1f} |"
+      cells = [f"{v}:{med.get(v, float('nan')):.0f}/{med.get(v + '_nocomm', float('nan')):.0f}"
+               for v in _VARIANTS.value]
+      print(head, " ".join(cells))
+  print("wrote", out_path)
+
+
+if __name__ == "__main__":
+  app.run(main)
