@@ -112,9 +112,9 @@ class Config:
 
   @property
   def comm_buffer_sets(self) -> int:
-    """SMEM buffers per comm warpgroup (whole warpgroup tiles): 3 where they fit, else 2."""
+    """SMEM buffers per comm warpgroup (whole warpgroup tiles): as many as fit, 1 to 3."""
     tile = self.tile_m * self.tile_n * self.partial_itemsize
-    return 3 if 2 * 3 * tile + SMEM_SLACK_BYTES <= SMEM_LIMIT_BYTES else 2
+    return next((s for s in (3, 2) if 2 * s * tile + SMEM_SLACK_BYTES <= SMEM_LIMIT_BYTES), 1)
 
   def smem_bytes(self, num_devices: int, itemsize: int = 2) -> int:
     """Shared memory of a compute CTA, as allocated by kernel.py (plus a fixed slack)."""
