@@ -166,6 +166,22 @@ def tiles_per_chunk(config: Config, *, m: int, n: int, num_devices: int) -> int:
   return (m // num_devices // config.cta_tile_m) * (n // config.cta_tile_n)
 
 
+def default_partial_dtype(num_devices: int) -> str:
+  """The partial dtype that keeps the seed's error rule (docs/design.md section 5).
+
+  At D = 2 the owner adds one peer partial: sent in bf16 it is rounded twice (once by the
+  peer, once in the sum), like the unfused path but in another order, and the max error can
+  exceed the unfused one by more than 10% on some inputs; sent in fp32 the sum is rounded once.
+  From D = 4 on, the unfused path rounds at every one of its D - 1 adds and bf16 partials
+  keep a wide margin (measured; section 5.2)."""
+  return "float32" if num_devices == 2 else "bfloat16"
+
+
+def _epi_tile_n(tile_n: int, partial_dtype: str) -> int:
+  # fp32 sub-tiles of 64 x 32 take the SMEM of bf16 64 x 64 ones.
+  return min(32 if partial_dtype == "float32" else 64, tile_n)
+
+
 def _largest_steps(base: Config, num_devices: int, upper: int = 6) -> Config:
   for steps in range(upper, 1, -1):
     cfg = dataclasses.replace(base, max_concurrent_steps=steps)
@@ -196,9 +212,10 @@ def default_config(*, m: int, n: int, k_shard: int, num_devices: int,
   if k_shard % tile_k:
     raise NotImplementedError(f"{k_shard=} is not a multiple of 64 (tile_k); no padding {where}")
   tile_m = 128 if chunk % 128 == 0 else 64
-  epi_tile_n = min(64, tile_n)
+  partial_dtype = default_partial_dtype(num_devices)
   cfg = Config(tile_m=tile_m, tile_n=tile_n, tile_k=tile_k, epi_tile_m=64,
-               epi_tile_n=epi_tile_n, num_sms=num_sms)
+               epi_tile_n=_epi_tile_n(tile_n, partial_dtype), num_sms=num_sms,
+               partial_dtype=partial_dtype)
   cfg = _largest_steps(cfg, num_devices)
   cfg.check_shape(m=m, n=n, k_shard=k_shard, num_devices=num_devices)
   return cfg
@@ -207,15 +224,17 @@ def default_config(*, m: int, n: int, k_shard: int, num_devices: int,
 def search_space(*, m: int, n: int, k_shard: int, num_devices: int,
                  num_sms: int = DEFAULT_NUM_SMS) -> Iterator[Config]:
   """Every config the tuner may try for this shape: valid and within the SMEM limit."""
-  for tile_m, tile_n, steps, recv_stages, minor, width, eager in itertools.product(
+  partial_dtype = default_partial_dtype(num_devices)  # Fixed by the error rule, not tuned.
+  for tile_m, tile_n, steps, recv_stages, minor, width, eager, comm in itertools.product(
       (64, 128), (64, 128), (2, 3, 4, 5), (1, 2, 4),
-      (MatmulDimension.N, MatmulDimension.M), (1, 4), (0, 1)):
-    if num_devices == 1 and (recv_stages != 1 or eager):
+      (MatmulDimension.N, MatmulDimension.M), (1, 4), (0, 1), (0, 2, 4)):
+    if num_devices == 1 and (recv_stages != 1 or eager or comm):
       continue
     cfg = Config(tile_m=tile_m, tile_n=tile_n, tile_k=64, max_concurrent_steps=steps,
-                 epi_tile_m=64, epi_tile_n=64, recv_stages=recv_stages,
-                 grid_minor_dim=minor, grid_tile_width=width, num_sms=num_sms,
-                 eager_signal_steps=eager)
+                 epi_tile_m=64, epi_tile_n=_epi_tile_n(tile_n, partial_dtype),
+                 recv_stages=recv_stages, grid_minor_dim=minor, grid_tile_width=width,
+                 num_sms=num_sms, eager_signal_steps=eager, comm_ctas=comm,
+                 partial_dtype=partial_dtype)
     try:
       cfg.check_shape(m=m, n=n, k_shard=k_shard, num_devices=num_devices)
     except NotImplementedError:

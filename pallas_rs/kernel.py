@@ -33,6 +33,9 @@ def _swizzled(block_minor_elems: int, dtype) -> tuple:
 
 
 ABLATIONS = frozenset({"comm", "reduce"})
+# Tiles a comm warpgroup keeps in flight to the owner before it waits for the oldest to land
+# and signals it (docs/design.md section 3.2).
+_COMM_SIGNAL_LAG = 4
 
 
 def _strided_loop(start, stride, total, body):
@@ -311,11 +314,12 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
             plgpu.barrier_wait(barrier.at[wg_idx * sets + s])
             plgpu.copy_smem_to_gmem(buf.at[wg_idx, s], dst_recv.at[tile_slices(tile, wg_idx)[2]])
 
-            @pl.when(j > 0)
+            @pl.when(j >= _COMM_SIGNAL_LAG)
             def _():
-              # Tile j - 1 has landed once at most tile j's store is pending.
-              plgpu.wait_smem_to_gmem(1, wait_read_only=False)
-              transport.signal(sems, rank, o, tile_of(j - 1), wg_idx)
+              # Tile j - lag has landed once at most `lag` later stores are pending. The lag
+              # keeps that many tiles in flight on NVLink beyond what SMEM holds.
+              plgpu.wait_smem_to_gmem(_COMM_SIGNAL_LAG, wait_read_only=False)
+              transport.signal(sems, rank, o, tile_of(j - _COMM_SIGNAL_LAG), wg_idx)
 
             @pl.when(j + 1 < count)
             def _():
@@ -328,9 +332,11 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
           lax.fori_loop(0, count, push, None)
           plgpu.wait_smem_to_gmem(0, wait_read_only=False)
 
-          @pl.when(count > 0)
-          def _():
-            transport.signal(sems, rank, o, tile_of(count - 1), wg_idx)
+          def drain(j, carry, o=o):
+            transport.signal(sems, rank, o, tile_of(j), wg_idx)
+            return carry
+
+          lax.fori_loop(jnp.maximum(count - _COMM_SIGNAL_LAG, 0), count, drain, None)
 
   if num_comm and "comm" not in skip:
     @pl.when(cta < num_comm)
