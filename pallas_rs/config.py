@@ -135,10 +135,6 @@ class Config:
           f"{num_devices=}, over the {SMEM_LIMIT_BYTES} B limit: {self}")
 
 
-def tiles_per_chunk(config: Config, *, m: int, n: int, num_devices: int) -> int:
-  return (m // num_devices // config.cta_tile_m) * (n // config.cta_tile_n)
-
-
 def _largest_steps(base: Config, num_devices: int, upper: int = 6) -> Config:
   for steps in range(upper, 1, -1):
     cfg = dataclasses.replace(base, max_concurrent_steps=steps)

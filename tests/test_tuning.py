@@ -9,9 +9,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import pytest
 
-from pallas_rs import api
+from pallas_rs import candidates
 from pallas_rs import config as config_lib
 from pallas_rs import fused
+from pallas_rs import gate
+from pallas_rs import platform
 from pallas_rs import tuning
 
 H200 = "NVIDIA H200"
@@ -42,7 +44,7 @@ def _table(*entries):
 
 
 def _choose(m, *, d=8, n=N, k_shard=K_SHARD, dtype="bfloat16", gpu_kind=H200, **kw):
-  return tuning.choose(m=m, n=n, k_shard=k_shard, dtype=dtype, num_devices=d,
+  return gate.choose(m=m, n=n, k_shard=k_shard, dtype=dtype, num_devices=d,
                        gpu_kind=gpu_kind, **kw)
 
 
@@ -160,7 +162,7 @@ def test_defaults_and_candidates_valid_within_smem(d):
     dec = _choose(m, d=d, n=n, k_shard=k_shard, table=tuning.empty_table())
     assert dec.config is not None and dec.config.fits_smem(d), (m, n, k_shard, d)
     dec.config.check_shape(m=m, n=n, k_shard=k_shard, num_devices=d)
-    cands = tuning.candidate_configs(m=m, n=n, k_shard=k_shard, num_devices=d,
+    cands = candidates.candidate_configs(m=m, n=n, k_shard=k_shard, num_devices=d,
                                      max_configs=6)
     assert cands[0] == dec.config
     assert len(set(cands)) == len(cands) == 6
@@ -170,7 +172,7 @@ def test_defaults_and_candidates_valid_within_smem(d):
 
 
 def test_candidates_vary_one_field_each_first():
-  cands = tuning.candidate_configs(m=8192, n=N, k_shard=K_SHARD, num_devices=1,
+  cands = candidates.candidate_configs(m=8192, n=N, k_shard=K_SHARD, num_devices=1,
                                    max_configs=6)
   base = cands[0]
   changed = []
@@ -182,13 +184,13 @@ def test_candidates_vary_one_field_each_first():
   assert changed == ["tile_m", "tile_n", "grid_minor_dim", "grid_tile_width",
                      "max_concurrent_steps"]
   # Deterministic and uncapped is the whole (deduplicated) search space.
-  assert tuning.candidate_configs(m=8192, n=N, k_shard=K_SHARD, num_devices=1,
+  assert candidates.candidate_configs(m=8192, n=N, k_shard=K_SHARD, num_devices=1,
                                   max_configs=6) == cands
 
 
 def test_adapt_config_for_loopback():
   cfg = config_lib.Config(tile_m=128, tile_n=128, max_concurrent_steps=4, recv_stages=1)
-  out = tuning.adapt_config(cfg, m=512, n=N, k_shard=K_SHARD, num_devices=8)
+  out = candidates.adapt_config(cfg, m=512, n=N, k_shard=K_SHARD, num_devices=8)
   assert out.tile_m == 64 and out.recv_stages == 2 and out.fits_smem(8)
 
 
@@ -201,7 +203,7 @@ def _export_local(cfg, m, n, k):
 
 @pytest.mark.parametrize("m,n,k_shard", [(512, 8192, 1024), (2048, 6144, 768)])
 def test_default_and_first_candidates_lower_for_cuda_d1(m, n, k_shard):
-  for cfg in tuning.candidate_configs(m=m, n=n, k_shard=k_shard, num_devices=1,
+  for cfg in candidates.candidate_configs(m=m, n=n, k_shard=k_shard, num_devices=1,
                                       max_configs=3):
     exp = _export_local(cfg, m, n, k_shard)
     assert "pallas_rs_local_matmul" in exp.mlir_module()
@@ -342,13 +344,13 @@ def test_use_table_is_scoped_and_nests(tmp_path, monkeypatch):
 
 
 def _auto(m, config=None, d=8):
-  return api._choose_implementation(
+  return gate.choose_implementation(
       m=m, k_shard=K_SHARD, n=N, dtype=jnp.bfloat16, num_devices=d,
       scatter_dimension=0, implementation="auto", config=config)
 
 
 def test_api_auto_consults_table(monkeypatch):
-  monkeypatch.setattr(api, "_on_hopper", lambda: True)
+  monkeypatch.setattr(platform, "on_hopper", lambda: True)
   kind = jax.devices()[0].device_kind
   cfg = config_lib.Config(tile_m=64, tile_n=128, max_concurrent_steps=3)
   with tuning.use_table(_table(_entry(4096, cfg=cfg, gpu_kind=kind),
@@ -370,7 +372,7 @@ def test_api_auto_consults_table(monkeypatch):
 
 
 def test_api_auto_off_hopper_ignores_table(monkeypatch):
-  monkeypatch.setattr(api, "_on_hopper", lambda: False)
+  monkeypatch.setattr(platform, "on_hopper", lambda: False)
   with tuning.use_table(_table(_entry(4096, gpu_kind=jax.devices()[0].device_kind))):
     impl, _, reason = _auto(4096)
   assert impl == "xla" and "Hopper" in reason
