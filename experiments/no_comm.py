@@ -155,3 +155,35 @@ def collectives(hlo_text: str) -> list[str]:
   """The collective instructions (opcode names) in `hlo_text`, in order."""
   ops = re.findall(r"\s(" + "|".join(COLLECTIVES) + r")(?:-start)?\(", hlo_text)
   return ops
+
+
+# ---------------------------------------------------------------------------
+# The benchmark's programs: forward, and forward+backward per device.
+# ---------------------------------------------------------------------------
+
+
+def block_functions(mesh, axis_name, *, without: Iterable[str] = (), **block_kw):
+  """{"forward": jit(fn(params, h)), "forward_backward": jit(fn(params, h))} of one variant.
+
+  forward_backward is `value_and_grad` of the per-device loss mean(block(h)**2) taken inside
+  shard_map: every variant's gradients are per device (the norm weights' gradients are not
+  summed over devices, and the loss is not averaged over devices), so the only collectives of
+  a program are those of the four layers, and the no-comm variant has none.
+  """
+  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  kw = dict(block_kw, **layer_functions(without))
+  forward = model.make_block_fn(mesh, axis_name, **kw)
+
+  def local(params, h):
+    def loss(params, h):
+      out = model.block_forward(params, h, axis_name=axis_name, **kw)
+      return jnp.mean(jnp.square(out.astype(jnp.float32)))
+    value, grads = jax.value_and_grad(loss, argnums=(0, 1))(params, h)
+    return value[None], grads
+
+  specs = model.param_specs(axis_name)
+  grad_specs = specs._replace(attn_norm=P(axis_name), mlp_norm=P(axis_name))
+  forward_backward = jax.jit(jax.shard_map(
+      local, mesh=mesh, in_specs=(specs, P(axis_name, None)),
+      out_specs=(P(axis_name), (grad_specs, P(axis_name, None))), check_vma=False))
+  return {"forward": forward, "forward_backward": forward_backward}

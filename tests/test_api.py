@@ -285,3 +285,71 @@ def test_row_parallel_validation(x_shape, w_shape, axis_name, match):
   with pytest.raises(ValueError, match=match):
     pallas_rs.row_parallel_matmul(jnp.zeros(x_shape), jnp.zeros(w_shape),
                                   mesh=mesh, axis_name=axis_name)
+
+
+# --- first-hour errors --------------------------------------------------------
+
+
+@pytest.mark.parametrize("config", [{"tile_m": 64}, "tile_m=64", 64])
+def test_config_must_be_a_config(config):
+  mesh = helpers.make_mesh(4)
+  x, w = jnp.zeros((8, 64), jnp.bfloat16), jnp.zeros((64, 24), jnp.bfloat16)
+  for impl in ("auto", "xla", "fused"):
+    with pytest.raises(TypeError, match=r"config must be a pallas_rs.Config or None"):
+      pallas_rs.row_parallel_matmul(x, w, mesh=mesh, axis_name=AXIS,
+                                    implementation=impl, config=config)
+
+  def body(x, w):
+    return pallas_rs.matmul_reduce_scatter(x, w, axis_name=AXIS, config=config)
+
+  with pytest.raises(TypeError, match=r"config must be a pallas_rs.Config or None"):
+    jax.eval_shape(jax.shard_map(body, mesh=mesh, in_specs=(jax.P(None, AXIS), jax.P(AXIS)),
+                                 out_specs=jax.P(AXIS), check_vma=False), x, w)
+
+
+def test_unknown_keyword_of_row_parallel_matmul():
+  mesh = helpers.make_mesh(4)
+  with pytest.raises(TypeError, match=r"unexpected keyword arguments \['implmentation'\]"):
+    pallas_rs.row_parallel_matmul(jnp.zeros((8, 8)), jnp.zeros((8, 8)), mesh=mesh,
+                                  axis_name=AXIS, implmentation="xla")
+
+
+def test_tuple_axis_name_spanning_two_mesh_axes():
+  mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  case = shapes.custom_case(64, 24, 128, 8, "float32")
+  inputs = helpers.make_inputs(case)
+  for impl in ("xla", "auto"):
+    out = pallas_rs.row_parallel_matmul(inputs.x, inputs.w, mesh=mesh, axis_name=("dp", "tp"),
+                                        implementation=impl)
+    helpers.assert_close(np.asarray(out).reshape(8, 8, 24), helpers.reference_output(inputs),
+                         tol=helpers.forward_tolerance("float32", 8))
+  with pytest.raises(ValueError, match=r"axis_name=\('dp', 'model'\) is not an axis"):
+    pallas_rs.row_parallel_matmul(inputs.x, inputs.w, mesh=mesh, axis_name=("dp", "model"))
+
+
+def test_float64_is_refused():
+  mesh = helpers.make_mesh(4)
+  with jax.enable_x64(True):
+    x, w = jnp.zeros((8, 16), jnp.float64), jnp.zeros((16, 8), jnp.float64)
+    with pytest.raises(ValueError, match=r"float64 is not supported \(accumulation is float32\)"):
+      pallas_rs.row_parallel_matmul(x, w, mesh=mesh, axis_name=AXIS)
+
+
+def test_tuning_reachable_after_import_pallas_rs():
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  code = ("import pallas_rs; print(pallas_rs.tuning.use_table.__name__, "
+          "pallas_rs.tuning.ENV_VAR)")
+  res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       check=False, timeout=120)
+  assert res.stdout.split() == ["use_table", "PALLAS_RS_TUNING_TABLE"], res.stderr[-2000:]
+
+
+def test_fused_on_a_gpu_that_is_not_hopper(monkeypatch):
+  class FakeGpu:
+    platform, device_kind, compute_capability = "gpu", "NVIDIA A100", "8.0"
+  monkeypatch.setattr(jax, "devices", lambda *a: [FakeGpu()])
+  with pytest.raises(NotImplementedError, match=r"needs one process driving Hopper GPUs.*"
+                     r"'NVIDIA A100'.*use implementation='auto' or 'xla'"):
+    gate.choose_implementation(m=1024, k_shard=64, n=256, dtype=jnp.bfloat16, num_devices=8,
+                               scatter_dimension=0, implementation="fused", config=None)

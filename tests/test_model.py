@@ -135,16 +135,6 @@ def test_sgd_steps_reduce_the_loss_identically():
   np.testing.assert_allclose(auto, ref, rtol=4 * GRAD_TOL_F32)
 
 
-def test_no_comm_variant_has_the_block_shapes():
-  mesh, params, h = _setup(8)
-  sharded = model.shard_params(params, mesh, AXIS)
-  out = model.make_block_fn(mesh, AXIS, implementation=model.NO_COMM,
-                            **_BLOCK_KW)(sharded, h)
-  assert out.shape == h.shape
-  assert out.sharding.is_equivalent_to(
-      jax.NamedSharding(mesh, P(AXIS, None)), 2)
-
-
 def test_param_validation():
   with pytest.raises(ValueError, match="kv_heads=6 must be divisible"):
     model.init_params(jax.random.key(0), hidden=64, heads=12, kv_heads=6,
