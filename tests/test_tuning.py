@@ -1,6 +1,7 @@
 """pallas_rs.tuning: table lookup, heuristic, defaults, overrides, schema (CPU)."""
 import copy
 import dataclasses
+import functools
 import json
 
 import jax
@@ -9,11 +10,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import pytest
 
+from pallas_rs import ag_matmul
 from pallas_rs import candidates
 from pallas_rs import config as config_lib
 from pallas_rs import fused
 from pallas_rs import gate
 from pallas_rs import platform
+from pallas_rs import shapes
 from pallas_rs import tuning
 
 H200 = "NVIDIA H200"
@@ -376,3 +379,86 @@ def test_api_auto_off_hopper_ignores_table(monkeypatch):
   with tuning.use_table(_table(_entry(4096, gpu_kind=jax.devices()[0].device_kind))):
     impl, _, reason = _auto(4096)
   assert impl == "xla" and "Hopper" in reason
+
+
+# ---------------------------------------------------------------------------
+# The all-gather matmul's entries (op "ag_matmul") and its gate.
+# ---------------------------------------------------------------------------
+
+_AG = dict(m_shard=128, k=1024, n=1280, dtype=jnp.bfloat16, out_dtype=jnp.bfloat16,
+           num_devices=8, gather_dimension=0)
+
+
+def _ag_entry(implementation, *, gpu_kind, cfg=None):
+  entry = _entry(_AG["m_shard"] * 8, implementation, n=_AG["n"], k_shard=_AG["k"],
+                 gpu_kind=gpu_kind, cfg=None)
+  entry["config"] = None if cfg is None else ag_matmul.config_to_json(cfg)
+  entry["op"] = "ag_matmul"
+  return entry
+
+
+def test_old_entries_are_matmul_rs_and_ops_are_distinct():
+  table = _table(_entry(1024))
+  tuning.validate_table(table)                     # no "op": loads as before
+  assert tuning.entry_op(table["entries"][0]) == "matmul_rs"
+  both = _table(_entry(1024), dict(_entry(1024, "xla"), op="ag_matmul"))
+  tuning.validate_table(both)                      # same key, different op: no duplicate
+  with pytest.raises(ValueError, match=r"op='nccl' must be one of"):
+    tuning.validate_table(_table(dict(_entry(1024), op="nccl")))
+  with pytest.raises(ValueError, match=r"unknown all-gather matmul config fields .*'recv_stages'"):
+    tuning.validate_table(_table(dict(_entry(1024), op="ag_matmul")))
+
+
+def test_ag_config_round_trip():
+  cfg = ag_matmul.default_config(128, 1280)
+  assert ag_matmul.config_from_json(json.loads(json.dumps(ag_matmul.config_to_json(cfg)))) == cfg
+
+
+def test_ag_auto_is_xla_unless_the_table_says_fused(monkeypatch):
+  monkeypatch.setattr(platform, "on_hopper", lambda: True)
+  kind = jax.devices()[0].device_kind
+  choose = functools.partial(gate.choose_ag_implementation, **_AG, implementation="auto")
+  impl, config, reason = choose(table=tuning.empty_table())
+  assert (impl, config) == ("xla", None) and "tuning (default)" in reason
+  assert reason.startswith("all_gather_matmul: ")
+  # A matmul_rs entry of the same key does not gate the all-gather matmul.
+  assert choose(table=_table(dict(_ag_entry("fused", gpu_kind=kind), op="matmul_rs",
+                                  config=tuning.config_to_json(config_lib.Config())))
+                )[0] == "xla"
+  impl, config, _ = choose(table=_table(_ag_entry("fused", gpu_kind=kind)))
+  assert impl == "fused" and config == ag_matmul.default_config(128, 1280)
+  impl, _, reason = choose(table=_table(_ag_entry("xla", gpu_kind=kind)))
+  assert impl == "xla" and "tuning (table)" in reason
+  # Another GPU kind's measurement does not apply here.
+  assert choose(table=_table(_ag_entry("fused", gpu_kind="NVIDIA B200")))[0] == "xla"
+  # An explicit "fused" needs no measurement.
+  assert gate.choose_ag_implementation(**_AG, implementation="fused",
+                                       table=tuning.empty_table())[0] == "fused"
+
+
+def test_autotune_writes_ag_entries_the_gate_reads(monkeypatch):
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  from pathlib import Path  # pylint: disable=g-import-not-at-top
+  path = Path(__file__).resolve().parents[1] / "experiments" / "autotune.py"
+  spec = importlib.util.spec_from_file_location("autotune_for_test", path)
+  autotune = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(autotune)
+  autotune.FLAGS(["autotune", "--op=ag_matmul", "--mode=multi_gpu"])
+  case = dataclasses.replace(shapes.by_name("llama70b_o_proj_m512"), m=1024, n=1024)
+  prob = autotune.ag_problem(case, 8)
+  assert prob == {"m_shard": 128, "k": 1024, "n": 1024}
+  cfg = ag_matmul.default_config(prob["m_shard"], prob["n"])
+  kind = jax.devices()[0].device_kind
+  best = {"median_us": 9.0, "times_us": [9.0], "config": ag_matmul.config_to_json(cfg)}
+  xla = {"median_us": 10.0, "times_us": [10.0]}
+  entry = autotune._gate_entry(gpu_kind=kind, d=8, m=1024, n=prob["n"], k_shard=prob["k"],
+                               best=best, xla=xla, env={}, mode="multi_gpu",
+                               measured_with="test", op="ag_matmul")
+  table = _table(entry)
+  tuning.validate_table(table)
+  monkeypatch.setattr(platform, "on_hopper", lambda: True)
+  impl, config, _ = gate.choose_ag_implementation(
+      m_shard=prob["m_shard"], k=prob["k"], n=prob["n"], dtype=jnp.bfloat16,
+      out_dtype=jnp.bfloat16, num_devices=8, gather_dimension=0, implementation="auto",
+      table=table)
+  assert (impl, config) == ("fused", cfg)
