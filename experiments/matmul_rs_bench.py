@@ -98,7 +98,8 @@ flags.DEFINE_integer("n", None, "Custom shape: n.")
 flags.DEFINE_integer("k", None, "Custom shape: global k.")
 flags.DEFINE_string("dtype", "bfloat16", "dtype of a custom shape.")
 flags.DEFINE_integer("num_devices", None, "D. multi_gpu/smoke: devices used "
-                     "(default: each shape's own D; must be <= visible); "
+                     "(default: all visible devices for the 'seed' shapes, each "
+                     "other shape's own D, e.g. 2 for 'proxy8'; must be <= visible); "
                      "single_gpu: extra loopback D besides 8; custom shapes: "
                      "their D (default 8).")
 flags.DEFINE_list("implementations", None,
@@ -449,6 +450,16 @@ def _median(record) -> float | None:
 # ---------------------------------------------------------------------------
 
 
+def devices_for(case, visible: int, override: int | None = None) -> int:
+  """D to run `case` at: --num_devices if given, all visible devices for a "seed" shape (the
+  seed sweep runs on whatever GPU count the machine has), else the case's own D."""
+  if override:
+    return override
+  if "seed" in case.tags:
+    return visible
+  return case.num_devices
+
+
 def sweep_sharded(mode: str, cases, implementations, timer) -> list[dict]:
   """T_gemm, T_comm, T_seq, implementations (+ peer) per shape on a D mesh."""
   from pallas_rs import metrics  # pylint: disable=g-import-not-at-top
@@ -464,7 +475,7 @@ def sweep_sharded(mode: str, cases, implementations, timer) -> list[dict]:
   records = []
   devices = jax.devices()
   for case in cases:
-    d = FLAGS.num_devices or case.num_devices
+    d = devices_for(case, len(devices), FLAGS.num_devices)
     if d != case.num_devices:
       case = case.with_num_devices(d)
     if d > len(devices):
