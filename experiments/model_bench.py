@@ -83,7 +83,7 @@ IMPLEMENTATIONS = ("xla", "fused", "auto")
 NO_COMM = "no_comm"
 PASSES = ("forward", "forward_backward")
 LAYERS = ("qkv", "o_proj", "gate_up", "down_proj")  # pallas_rs.model.LAYERS (no jax import here)
-# Widths (design.md section 3); Mixtral: one dense expert stands in for the MoE.
+# Widths of the seed models (docs/design.md section 2); Mixtral: one dense expert stands in for the MoE.
 MODELS = {
     "llama70b": dict(hidden=8192, heads=64, kv_heads=8, head_dim=128,
                      ffn=28672),
