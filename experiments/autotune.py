@@ -12,7 +12,15 @@ All visible GPUs, the real fused path under shard_map vs dot + psum_scatter
   NCCL_NVLS_ENABLE=0 PYTHONPATH=. python experiments/autotune.py \\
       --mode=multi_gpu --tags=seed --max_configs=4 --iterations=50
 
-Per shape: every candidate config (`pallas_rs.tuning.candidate_configs`:
+The backward's all-gather matmul (jax's collective_matmul_mgpu, `pallas_rs.ag_matmul`) is gated
+by its own entries (op "ag_matmul"), measured per shape and D with --op=ag_matmul: per case, the
+row-parallel backward's dx = all_gather(dy) @ w.T (dy [m/D, n], w.T [n, k_shard]), the kernel
+with its default config vs XLA's all-gather + dot:
+
+  NCCL_NVLS_ENABLE=0 PYTHONPATH=. python experiments/autotune.py \\
+      --mode=multi_gpu --op=ag_matmul --tags=seed --iterations=50
+
+Per shape: every candidate config (`pallas_rs.candidates.candidate_configs`:
 `default_config` first, then one-field variants; at most --max_configs) and
 the XLA baseline are timed on the same random-normal bf16 inputs with
 `pallas_rs.timing.time_function` (CUPTI on GPU); every output is checked
@@ -67,6 +75,9 @@ flags.DEFINE_string("table", "pallas_rs/data/tuning_table.json", "Tuning table "
 flags.DEFINE_string("out", "", "Raw JSON records; default "
                     "experiments/results/autotune_<mode>_<stamp>.json.")
 flags.DEFINE_integer("seed", 0, "PRNG seed of the inputs.")
+flags.DEFINE_enum("op", "matmul_rs", ["matmul_rs", "ag_matmul"], "Which op to tune: the "
+                  "fused matmul + reduce-scatter, or the backward's all-gather matmul "
+                  "(multi_gpu only; table entries with op='ag_matmul').")
 flags.DEFINE_bool("dry_run", False, "List the shapes and candidate configs, "
                   "time nothing (works on CPU).")
 
@@ -145,7 +156,7 @@ def _best(recs):
 
 
 def _gate_entry(*, gpu_kind, d, m, n, k_shard, best, xla, env, mode,
-                measured_with) -> dict[str, Any]:
+                measured_with, op="matmul_rs") -> dict[str, Any]:
   fused_wins = (best is not None and xla is not None
                 and best["median_us"] < (1.0 - FLAGS.margin) * xla["median_us"])
   return {
@@ -158,6 +169,7 @@ def _gate_entry(*, gpu_kind, d, m, n, k_shard, best, xla, env, mode,
       "env": env,
       "measured_with": measured_with,
       "mode": mode,
+      "op": op,
   }
 
 
@@ -170,6 +182,7 @@ def tune_single_gpu(case, env) -> tuple[list[dict], list[dict]]:
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from pallas_rs import fused  # pylint: disable=g-import-not-at-top
+  from pallas_rs import candidates  # pylint: disable=g-import-not-at-top
   from pallas_rs import tuning  # pylint: disable=g-import-not-at-top
 
   m, n, k_shard = case.m, case.n, case.k_shard
@@ -186,7 +199,7 @@ def tune_single_gpu(case, env) -> tuple[list[dict], list[dict]]:
                             xla_err=None)]
   xla = records[0]
   xla_err = xla["max_rel_error"]
-  for cfg in tuning.candidate_configs(m=m, n=n, k_shard=k_shard, num_devices=1,
+  for cfg in candidates.candidate_configs(m=m, n=n, k_shard=k_shard, num_devices=1,
                                       max_configs=FLAGS.max_configs):
     fn = jax.jit(functools.partial(fused.local_matmul, config=cfg))
     records.append(time_candidate("local_fused", fn, (x, w), ref, num_devices=1,
@@ -218,6 +231,7 @@ def tune_loopback(case, ranked, env):
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from pallas_rs import fused  # pylint: disable=g-import-not-at-top
+  from pallas_rs import candidates  # pylint: disable=g-import-not-at-top
   from pallas_rs import tuning  # pylint: disable=g-import-not-at-top
 
   d = FLAGS.num_devices or case.num_devices
@@ -226,7 +240,7 @@ def tune_loopback(case, ranked, env):
   m, n, k_shard = case.m, case.n, case.k // d
   cfgs = []
   for r in ranked:
-    cfg = tuning.adapt_config(tuning.config_from_json(r["config"]), m=m, n=n,
+    cfg = candidates.adapt_config(tuning.config_from_json(r["config"]), m=m, n=n,
                               k_shard=k_shard, num_devices=d)
     if cfg is not None and cfg not in cfgs:
       cfgs.append(cfg)
@@ -281,6 +295,7 @@ def tune_multi_gpu(case, env) -> tuple[list[dict], list[dict]]:
   import numpy as np  # pylint: disable=g-import-not-at-top
   from pallas_rs import fused  # pylint: disable=g-import-not-at-top
   from pallas_rs import reference  # pylint: disable=g-import-not-at-top
+  from pallas_rs import candidates  # pylint: disable=g-import-not-at-top
   from pallas_rs import tuning  # pylint: disable=g-import-not-at-top
 
   devices = jax.devices()
@@ -317,7 +332,7 @@ def tune_multi_gpu(case, env) -> tuple[list[dict], list[dict]]:
   records = [time_candidate("xla_seq", seq, (x, w), ref, num_devices=d,
                             xla_err=None)]
   xla = records[0]
-  for cfg in tuning.candidate_configs(m=m, n=n, k_shard=k_shard, num_devices=d,
+  for cfg in candidates.candidate_configs(m=m, n=n, k_shard=k_shard, num_devices=d,
                                       max_configs=FLAGS.max_configs):
     fn = smap(functools.partial(fused.fused_matmul_reduce_scatter, axis_name=AXIS,
                                 num_devices=d, config=cfg))
@@ -333,6 +348,70 @@ def tune_multi_gpu(case, env) -> tuple[list[dict], list[dict]]:
                      f"shard_map vs jnp.dot + psum_scatter (T_seq) on {d} GPUs, "
                      f"{xla['timer']} step time (max over devices), "
                      f"{FLAGS.iterations} iterations"))
+  return records, [entry]
+
+
+def ag_problem(case, d: int) -> dict[str, int]:
+  """The all-gather matmul of the row-parallel backward of `case` at D = d: all_gather(dy)
+  @ w.T with dy [m/D, n] and w.T [n, k_shard] (the tuning-table key: m gathered rows, k_shard
+  the contraction n, n the output columns k_shard)."""
+  return {"m_shard": case.m // d, "k": case.n, "n": case.k // d}
+
+
+def tune_ag_multi_gpu(case, env) -> tuple[list[dict], list[dict]]:
+  """jax's fused all-gather matmul vs XLA's all-gather + dot, one entry (op "ag_matmul")."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
+  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from pallas_rs import ag_matmul  # pylint: disable=g-import-not-at-top
+  from pallas_rs import reference  # pylint: disable=g-import-not-at-top
+
+  devices = jax.devices()
+  d = FLAGS.num_devices or len(devices)
+  prob = ag_problem(case, d)
+  try:
+    cfg = ag_matmul.check_supported(**prob, dtype=jnp.bfloat16, out_dtype=jnp.bfloat16,
+                                    num_devices=d)
+  except NotImplementedError as e:
+    logging.warning("%s: all-gather matmul kernel does not apply: %s", case.name, e)
+    return [], []
+  mesh = jax.sharding.Mesh(np.array(devices[:d]), (AXIS,))
+  m, k, n = prob["m_shard"] * d, prob["k"], prob["n"]
+
+  @functools.partial(jax.jit, out_shardings=(NamedSharding(mesh, P(AXIS, None)),
+                                             NamedSharding(mesh, P(None, AXIS))))
+  def gen(key):
+    kx, kw = jax.random.split(key)
+    lhs = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
+    rhs = (jax.random.normal(kw, (k, n * d), jnp.float32) / k ** 0.5).astype(jnp.bfloat16)
+    return lhs, rhs
+
+  lhs, rhs = gen(jax.random.key(FLAGS.seed))
+
+  def smap(body):
+    return jax.jit(jax.shard_map(lambda a, b: body(a, b)[0], mesh=mesh,
+                                 in_specs=(P(AXIS, None), P(None, AXIS)),
+                                 out_specs=P(None, AXIS), check_vma=False))
+
+  xla_fn = smap(functools.partial(reference.all_gather_matmul, axis_name=AXIS))
+  ref = xla_fn(lhs.astype(jnp.float32), rhs.astype(jnp.float32))
+  records = [time_candidate("ag_xla", xla_fn, (lhs, rhs), ref, num_devices=d, xla_err=None)]
+  fused_fn = smap(functools.partial(ag_matmul.fused_all_gather_matmul, axis_name=AXIS,
+                                    config=cfg, out_dtype=jnp.bfloat16))
+  records.append(time_candidate("ag_fused", fused_fn, (lhs, rhs), ref, num_devices=d,
+                                xla_err=records[0]["max_rel_error"]))
+  records[1]["config"] = ag_matmul.config_to_json(cfg)
+  for r in records:
+    r.update(case=case.name, num_devices=d, m=m, n=n, k_shard=k, mode="multi_gpu",
+             op="ag_matmul")
+  entry = _gate_entry(
+      gpu_kind=env["device_kind"], d=d, m=m, n=n, k_shard=k, best=_best(records[1:]),
+      xla=records[0], env=env, mode="multi_gpu", op="ag_matmul",
+      measured_with=(f"experiments/autotune.py --mode=multi_gpu --op=ag_matmul: "
+                     f"collective_matmul_mgpu (default config) vs all_gather + jnp.dot on "
+                     f"{d} GPUs, {records[0]['timer']} step time, {FLAGS.iterations} iterations"))
   return records, [entry]
 
 
@@ -359,7 +438,8 @@ def format_summary(entries: list[dict]) -> str:
     f, x = e["times_us"]["fused"], e["times_us"]["xla"]
     fm = float(np.median(f)) if f else float("nan")
     xm = float(np.median(x)) if x else float("nan")
-    cfg = tuning.config_from_json(e["config"]) if e["config"] else None
+    cfg = (tuning.config_from_json(e["config"])
+           if e["config"] and e.get("op", "matmul_rs") == "matmul_rs" else None)
     lines.append(f"{e['mode']:<10} {k['num_devices']:>2} {k['m']:>6} {k['n']:>5} "
                  f"{k['k_shard']:>7} {xm:>9.1f} {fm:>9.1f} {xm / fm:>6.2f}  "
                  f"{_short(cfg):<16} {e['implementation']}")
@@ -367,15 +447,20 @@ def format_summary(entries: list[dict]) -> str:
 
 
 def dry_run(cases) -> None:
-  from pallas_rs import tuning  # pylint: disable=g-import-not-at-top
+  from pallas_rs import candidates  # pylint: disable=g-import-not-at-top
   total = 0
   for case in cases:
+    if FLAGS.op == "ag_matmul":
+      d = FLAGS.num_devices or case.num_devices
+      print(f"{case.name} (D={d}): ag_matmul {ag_problem(case, d)}: kernel default vs XLA")
+      total += 2
+      continue
     if FLAGS.mode == "single_gpu":
       m, k_shard, d = case.m, case.k_shard, 1
     else:
       d = FLAGS.num_devices or case.num_devices
       m, k_shard = case.m, case.k // d
-    cfgs = tuning.candidate_configs(m=m, n=case.n, k_shard=k_shard, num_devices=d,
+    cfgs = candidates.candidate_configs(m=m, n=case.n, k_shard=k_shard, num_devices=d,
                                     max_configs=FLAGS.max_configs)
     total += len(cfgs) + 1
     print(f"{case.name} (D={d}, m={m}, n={case.n}, k_shard={k_shard}): "
@@ -399,7 +484,11 @@ def main(argv: Sequence[str]) -> int:
   stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
   out = Path(FLAGS.out or _REPO / "experiments" / "results" /
              f"autotune_{FLAGS.mode}_{stamp}.json")
-  tune = tune_single_gpu if FLAGS.mode == "single_gpu" else tune_multi_gpu
+  if FLAGS.op == "ag_matmul" and FLAGS.mode != "multi_gpu":
+    raise app.UsageError("--op=ag_matmul needs --mode=multi_gpu (the kernel needs >= 2 GPUs)")
+  tune = {("single_gpu", "matmul_rs"): tune_single_gpu,
+          ("multi_gpu", "matmul_rs"): tune_multi_gpu,
+          ("multi_gpu", "ag_matmul"): tune_ag_multi_gpu}[FLAGS.mode, FLAGS.op]
   records, entries = [], []
   for i, case in enumerate(cases):
     logging.info("[%d/%d] %s", i + 1, len(cases), case.name)

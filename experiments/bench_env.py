@@ -53,7 +53,7 @@ def configure_environment(mode: str, environ=os.environ) -> str:
   imported yet (tests/conftest.py does the same before importing jax); if jax
   is already imported, the device count is checked instead.
   multi_gpu: NCCL_NVLS_ENABLE defaults to 0; any other value is refused
-  (NVLink multicast must never be used, design.md section 5).
+  (NVLink multicast must never be used, docs/design.md section 7).
   """
   if mode not in MODES:
     raise ValueError(f"{mode=} must be one of {MODES}")

@@ -4,15 +4,21 @@ Times the block's forward pass and forward+backward (loss = mean square of the
 output; gradients of all parameters and of the input) for each of
 `--implementations` ("xla", "fused", "auto"; the row-parallel o_proj/down_proj
 via `pallas_rs.matmul_reduce_scatter`, the column-parallel QKV/gate_up via
-`pallas_rs.ag_matmul`), plus "no_comm": the same block with every collective
-replaced by a local op of the same shapes (all_gather -> jnp.tile,
-psum_scatter -> dynamic slice of the local product; numerically meaningless).
+`pallas_rs.all_gather_matmul`), plus "no_comm": the same block with every collective
+replaced by a local op of the same shapes and the same matmuls forward and backward
+(experiments/no_comm.py; numerically meaningless). With --per_layer, also
+"no_comm_<layer>" for each of qkv, o_proj, gate_up, down_proj: the XLA block with only that
+layer's collectives removed. forward_backward is value_and_grad of the per-device loss
+(no_comm.block_functions: per-device gradients, so that the four layers' collectives are the
+only ones in every program).
 
 Figures per (model, m, D, pass, implementation):
   step_us            the step time (see "Which time" below).
   exposed_comm_us    T(impl) - T(no_comm): communication the block still
                      waits for (for "xla": the baseline's exposed
                      communication); exposed_comm_share = that / T(impl).
+  exposed_comm_by_layer_us  ("xla", --per_layer) T(xla) - T(no_comm_<layer>):
+                     which projection's communication is exposed.
   speedup_vs_xla     T(xla) / T(impl), end to end for the block.
 Which time: on GPU, `host_batch_us` of `pallas_rs.timing.time_function`
 (wall clock of back-to-back iterations / iterations): overlapping streams are
@@ -44,7 +50,8 @@ numerics claim.
   python experiments/model_bench.py --mode=single_gpu --model=mixtral8x22b
 
 The environment and JSON helpers are shared with experiments/matmul_rs_bench.py
-through experiments/bench_env.py (which defines no flags).
+through experiments/bench_env.py (which defines no flags). On CPU the smoke numbers are host
+wall clock: no performance claims.
 """
 from __future__ import annotations
 
@@ -75,7 +82,8 @@ MODES = ("smoke", "single_gpu", "multi_gpu")
 IMPLEMENTATIONS = ("xla", "fused", "auto")
 NO_COMM = "no_comm"
 PASSES = ("forward", "forward_backward")
-# Widths (design.md section 3); Mixtral: one dense expert stands in for the MoE.
+LAYERS = ("qkv", "o_proj", "gate_up", "down_proj")  # pallas_rs.model.LAYERS (no jax import here)
+# Widths of the seed models (docs/design.md section 2); Mixtral: one dense expert stands in for the MoE.
 MODELS = {
     "llama70b": dict(hidden=8192, heads=64, kv_heads=8, head_dim=128,
                      ffn=28672),
@@ -112,6 +120,8 @@ flags.DEFINE_string("out", "", "JSON output path; default experiments/results/"
 flags.DEFINE_integer("seed", 0, "PRNG seed.")
 flags.DEFINE_bool("keep_going", False, "Record unexpected exceptions as "
                   "'failed: ...' and continue (exit code 1).")
+flags.DEFINE_bool("per_layer", False, "Also time the XLA block with one layer's collectives "
+                  "removed at a time (no_comm_<layer>): per-layer exposed communication.")
 
 
 def _dims(mode: str, num_devices: int) -> dict[str, int]:
@@ -134,9 +144,8 @@ def _max_rel_error(out, ref) -> float:
 def _resolved(dims, m: int, d: int, implementation: str) -> dict[str, str]:
   """What each matmul of the block runs for `implementation` (before tracing)."""
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from pallas_rs import ag_matmul  # pylint: disable=g-import-not-at-top
-  from pallas_rs import api  # pylint: disable=g-import-not-at-top
-  if implementation == NO_COMM:
+  from pallas_rs import gate  # pylint: disable=g-import-not-at-top
+  if implementation.startswith(NO_COMM):
     return {}
   hq, hkv = dims["heads"] // d, dims["kv_heads"] // d
   hidden, hd, f_shard = dims["hidden"], dims["head_dim"], dims["ffn"] // d
@@ -144,7 +153,7 @@ def _resolved(dims, m: int, d: int, implementation: str) -> dict[str, str]:
   out = {}
   for name, n in (("qkv", (hq + 2 * hkv) * hd), ("gate_up", 2 * f_shard)):
     try:
-      impl, _, reason = ag_matmul.choose_implementation(
+      impl, _, reason = gate.choose_ag_implementation(
           m_shard=m // d, k=hidden, n=n, dtype=jnp.bfloat16,
           out_dtype=jnp.bfloat16, num_devices=d, gather_dimension=0,
           implementation=ag_impl)
@@ -153,7 +162,7 @@ def _resolved(dims, m: int, d: int, implementation: str) -> dict[str, str]:
       out[name] = f"unavailable ({e})"
   for name, k_shard in (("o_proj", hq * hd), ("down_proj", f_shard)):
     try:
-      impl, _, reason = api._choose_implementation(  # pylint: disable=protected-access
+      impl, _, reason = gate.choose_implementation(
           m=m, k_shard=k_shard, n=hidden, dtype=jnp.bfloat16, num_devices=d,
           scatter_dimension=0, implementation=implementation, config=None)
       out[name] = impl if reason is None else f"{impl} ({reason})"
@@ -162,17 +171,23 @@ def _resolved(dims, m: int, d: int, implementation: str) -> dict[str, str]:
   return out
 
 
-def _functions(mesh, dims, implementation):
-  import jax  # pylint: disable=g-import-not-at-top
-  from pallas_rs import model  # pylint: disable=g-import-not-at-top
-  kw = dict(heads=dims["heads"], kv_heads=dims["kv_heads"],
-            implementation=implementation,
-            attention_implementation=FLAGS.attention)
-  forward = model.make_block_fn(mesh, AXIS, **kw)
-  loss = model.make_loss_fn(mesh, AXIS, **kw)
-  return {"forward": forward,
-          "forward_backward": jax.jit(jax.value_and_grad(loss,
-                                                         argnums=(0, 1)))}
+def _without(variant: str) -> tuple[str, ...]:
+  """The layers whose collectives `variant` removes."""
+  import no_comm  # pylint: disable=g-import-not-at-top
+  if variant == NO_COMM:
+    return no_comm.LAYERS
+  if variant.startswith(NO_COMM + "_"):
+    return (variant[len(NO_COMM) + 1:],)
+  return ()
+
+
+def _functions(mesh, dims, variant):
+  import no_comm  # pylint: disable=g-import-not-at-top
+  without = _without(variant)
+  return no_comm.block_functions(
+      mesh, AXIS, without=without, heads=dims["heads"], kv_heads=dims["kv_heads"],
+      implementation="xla" if without else variant,
+      attention_implementation=FLAGS.attention)
 
 
 def _inputs(mesh, dims, m: int, d: int, seed: int):
@@ -224,6 +239,8 @@ def sweep(mode: str, implementations: Sequence[str]) -> list[dict[str, Any]]:
   timer = timing_lib.resolve_timer(FLAGS.timer)
   claims = timer != "host_wall_clock"
   order = ["xla", NO_COMM] + [i for i in implementations if i != "xla"]
+  if FLAGS.per_layer:
+    order += [f"{NO_COMM}_{layer}" for layer in LAYERS]
   records = []
   for m in ms:
     if m % d:
@@ -241,9 +258,9 @@ def sweep(mode: str, implementations: Sequence[str]) -> list[dict[str, Any]]:
                   "performance_claims": False, "timing": None, "check": None,
                   "metrics": None, "resolved": _resolved(dims, m, d, impl),
                   "notes": []}
-        if impl == NO_COMM:
-          record["notes"].append("collectives replaced by local tile/slice: "
-                                 "numerically meaningless, timing only")
+        if impl.startswith(NO_COMM):
+          record["notes"].append(f"collectives of {list(_without(impl))} replaced by local "
+                                 "ops of the same shapes: numerically meaningless, timing only")
         try:
           fn = _functions(mesh, dims, impl)[pass_name]
           t = timing_lib.time_function(fn, (params, h), iterations=iterations,
@@ -261,7 +278,7 @@ def sweep(mode: str, implementations: Sequence[str]) -> list[dict[str, Any]]:
             raise
           logging.exception("%s m=%d %s", impl, m, pass_name)
           record["status"] = f"failed: {type(e).__name__}: {e}"
-        if impl not in ("xla", NO_COMM) and impl in outputs:
+        if impl in IMPLEMENTATIONS and impl != "xla" and impl in outputs:
           err = _max_rel_error(outputs[impl], outputs["xla"])
           record["check"] = {"max_rel_error": err, "reference": "xla block",
                              "tolerance": CHECK_TOL[pass_name],
@@ -271,7 +288,7 @@ def sweep(mode: str, implementations: Sequence[str]) -> list[dict[str, Any]]:
       t_xla, t_local = _step_us(by_impl["xla"]), _step_us(by_impl[NO_COMM])
       for impl, record in by_impl.items():
         t_impl = _step_us(record)
-        if impl == NO_COMM or t_impl is None:
+        if impl not in IMPLEMENTATIONS or t_impl is None:
           continue
         exposed = None if t_local is None else t_impl - t_local
         record["metrics"] = {
@@ -283,11 +300,16 @@ def sweep(mode: str, implementations: Sequence[str]) -> list[dict[str, Any]]:
             "exposed_comm_share": None if exposed is None else exposed / t_impl,
             "speedup_vs_xla": None if t_xla is None else t_xla / t_impl,
         }
+        if impl == "xla" and FLAGS.per_layer:
+          record["metrics"]["exposed_comm_by_layer_us"] = {
+              layer: (None if _step_us(by_impl[f"{NO_COMM}_{layer}"]) is None
+                      else t_impl - _step_us(by_impl[f"{NO_COMM}_{layer}"]))
+              for layer in LAYERS}
   return records
 
 
 def format_table(records) -> str:
-  lines = [f"{'m':>6} {'D':>2} {'pass':<16} {'impl':<8} {'step_us':>10} "
+  lines = [f"{'m':>6} {'D':>2} {'pass':<16} {'impl':<17} {'step_us':>10} "
            f"{'exposed%':>8} {'vs xla':>7} {'err':>8}  status"]
   for r in records:
     met, chk = r["metrics"] or {}, r["check"] or {}
@@ -296,7 +318,7 @@ def format_table(records) -> str:
     share = met.get("exposed_comm_share")
     lines.append(
         f"{r['shape']['m']:>6} {r['shape']['num_devices']:>2} {r['pass']:<16} "
-        f"{r['implementation']:<8} "
+        f"{r['implementation']:<17} "
         f"{fmt(step, '.1f'):>10} "
         f"{fmt(None if share is None else 100 * share, '.1f'):>8} "
         f"{fmt(met.get('speedup_vs_xla'), '.3f'):>7} "
@@ -322,7 +344,7 @@ def main(argv: Sequence[str]) -> int:
          "environment": bench_env.environment_block(sys.argv),
          "flags": {name: FLAGS[name].value for name in (
              "mode", "model", "m", "num_devices", "implementations", "passes",
-             "iterations", "warmup", "timer", "attention", "seed")},
+             "iterations", "warmup", "timer", "attention", "seed", "per_layer")},
          "records": records}
   out = Path(FLAGS.out) if FLAGS.out else (
       _HERE / "results" / f"model_{mode}_"

@@ -1,4 +1,4 @@
-"""Correctness and stress of the fused path on real GPUs (issues 7 and 8), in one call.
+"""Correctness and stress of the fused path on real GPUs, in one call.
 
   NCCL_NVLS_ENABLE=0 PYTHONPATH=. python experiments/multi_gpu_check.py --out=/tmp/mg.json
 

@@ -65,14 +65,26 @@ def _save(fig, path: Path) -> Path:
   plt.close(fig)
   return path
 
+# Legend names for the records' implementation names.
+LEGEND_NAMES = {
+    "fused": "fused kernel (T_fused)", "xla": "XLA dot + reduce-scatter", "auto": "auto",
+    "xla_windowed_einsum": "XLA windowed einsum", "T_gemm": "GEMM alone (T_gemm)",
+    "T_comm": "reduce-scatter alone (T_comm)", "T_seq": "GEMM then reduce-scatter (T_seq)",
+    "loopback_gemm": "stacked GEMMs only", "loopback_reference": "unfused, emulated",
+    "loopback_fused": "fused kernel, loopback",
+}
+
+
 def _bar_groups(ax, labels, series: dict[str, list], ylabel):
   x = np.arange(len(labels))
   width = 0.8 / max(len(series), 1)
   for i, (name, values) in enumerate(series.items()):
     vals = [np.nan if v is None else v for v in values]
-    ax.bar(x + (i - (len(series) - 1) / 2) * width, vals, width, label=name)
+    label = LEGEND_NAMES.get(name, LEGEND_NAMES.get(name.removeprefix("T_"), name))
+    ax.bar(x + (i - (len(series) - 1) / 2) * width, vals, width, label=label)
   ax.set_xticks(x)
   ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=7)
+  ax.set_xlabel("shape (model_projection_m<tokens>)", fontsize=8)
   ax.set_ylabel(ylabel)
   ax.legend(fontsize=7)
 
@@ -87,7 +99,7 @@ def plot_sharded(doc, stem: str, out_dir: Path) -> list[Path]:
   fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(labels) + 3), 4.5))
   series = {i: [(shapes[s].get(i, {}).get("metrics") or {}).get(
       "overlap_efficiency") for s in labels] for i in impls}
-  _bar_groups(ax, labels, series, "overlap efficiency E")
+  _bar_groups(ax, labels, series, "overlap efficiency E (higher is better)")
   ax.axhline(FLAGS.target, color="red", linestyle="--", linewidth=1,
              label=f"target {FLAGS.target}")
   ax.axhline(0.0, color="black", linewidth=0.5)
@@ -106,7 +118,7 @@ def plot_sharded(doc, stem: str, out_dir: Path) -> list[Path]:
     g, c = _median(shapes[s].get("gemm", {})), _median(shapes[s].get("comm", {}))
     ideal.append(max(g, c) if g is not None and c is not None else None)
   series["ideal max(T_gemm, T_comm)"] = ideal
-  _bar_groups(ax, labels, series, "median time (us)")
+  _bar_groups(ax, labels, series, "median time, us (lower is better)")
   ax.set_yscale("log")
   ax.set_title(_title(doc, "time breakdown"), fontsize=8)
   written.append(_save(fig, out_dir / f"{stem}_times.png"))
@@ -122,7 +134,8 @@ def plot_single_gpu(doc, stem: str, out_dir: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(local) + 3), 4.5))
     ratios = [(shapes[s].get("local_fused", {}).get("metrics") or {}).get(
         "fused_over_xla") for s in local]
-    _bar_groups(ax, local, {"T_fused / T_xla (D = 1)": ratios}, "ratio")
+    _bar_groups(ax, local, {"T_fused / T_xla (D = 1)": ratios},
+                "fused time / XLA time (lower is better; < 1: fused faster)")
     ax.axhline(1.0, color="red", linestyle="--", linewidth=1)
     ax.set_title(_title(doc, "D = 1 GEMM: fused kernel / XLA dot"), fontsize=8)
     written.append(_save(fig, out_dir / f"{stem}_local_ratio.png"))
@@ -131,7 +144,7 @@ def plot_single_gpu(doc, stem: str, out_dir: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(loop) + 3), 4.5))
     series = {i: [_median(shapes[s].get(i, {})) for s in loop]
               for i in ("loopback_gemm", "loopback_reference", "loopback_fused")}
-    _bar_groups(ax, loop, series, "median time (us)")
+    _bar_groups(ax, loop, series, "median time, us (lower is better)")
     ax.set_yscale("log")
     ax.set_title(_title(doc, "loopback (D virtual ranks on one GPU)"),
                  fontsize=8)

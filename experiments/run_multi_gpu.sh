@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# What issues 7 and 8 need on a multi-GPU machine, in three device calls of < 10 minutes each
-# (the device tool's per-command limit). Results under ${OUT:-/tmp/mg}.
+# The multi-GPU runs, on whatever GPU count the machine has (2, 4 or 8), each call < 10 minutes.
+# Results under ${OUT:-/tmp/mg}; every record is labelled with the D it ran at.
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh check    # env + correctness + 1000-call stress
-#   OUT=/tmp/mg bash experiments/run_multi_gpu.sh sweep    # the 16-shape seed sweep (harness)
+#   OUT=/tmp/mg bash experiments/run_multi_gpu.sh sweep    # the 16 seed shapes at D = all GPUs
+#   OUT=/tmp/mg bash experiments/run_multi_gpu.sh proxy8   # the D = 8 k_shard of each seed shape, at D = 2
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh ablate   # where the time goes; then autotune
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_ALLOCATOR=default
@@ -18,6 +19,10 @@ case "${1:-check}" in
     timeout 560 python3 experiments/matmul_rs_bench.py --mode=multi_gpu --tags=seed \
       --iterations=200 --implementations=xla,fused --xla_peer --keep_going \
       --out="$out/multi_gpu_seed.json" 2>&1 | quiet | tail -40 ;;
+  proxy8)
+    timeout 560 python3 experiments/matmul_rs_bench.py --mode=multi_gpu --tags=proxy8 \
+      --iterations=200 --implementations=xla,fused --keep_going \
+      --out="$out/multi_gpu_proxy8.json" 2>&1 | quiet | tail -40 ;;
   ablate)
     timeout 240 python3 experiments/ablate.py --out="$out/ablate.json" --names=\
 llama70b_o_proj_m512,llama70b_o_proj_m32768,mixtral8x22b_w2_m2048,llama70b_down_proj_m8192 \
@@ -25,5 +30,5 @@ llama70b_o_proj_m512,llama70b_o_proj_m32768,mixtral8x22b_w2_m2048,llama70b_down_
     timeout 320 python3 experiments/autotune.py --mode=multi_gpu --tags=seed --max_configs=3 \
       --iterations=30 --table="$out/tuning_table.json" --out="$out/autotune_multi_gpu.json" 2>&1 \
       | quiet | tail -20 ;;
-  *) echo "usage: $0 check|sweep|ablate" >&2; exit 2 ;;
+  *) echo "usage: $0 check|sweep|proxy8|ablate" >&2; exit 2 ;;
 esac

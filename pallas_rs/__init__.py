@@ -4,28 +4,42 @@ Public API (flat re-exports):
 
   matmul_reduce_scatter            inside `jax.shard_map`, per-device arrays.
   row_parallel_matmul              global arrays, applies jit + shard_map.
+  all_gather_matmul                inside `jax.shard_map`: the mirror op, all_gather(lhs) @ rhs.
   reference_matmul_reduce_scatter  the XLA composition (oracle and fallback).
   Config                           the fused kernel's tuning config.
   shapes                           the named shape table for tests and experiments.
+
+Submodules such as `pallas_rs.tuning` (the tuning table: `use_table`, `load_table`) and
+`pallas_rs.model` are reachable as attributes after `import pallas_rs`; they are imported on
+first use, so that `import pallas_rs` stays free of the Mosaic GPU import chain.
 """
+import importlib
+
 from pallas_rs import shapes
+from pallas_rs.api import all_gather_matmul
 from pallas_rs.api import matmul_reduce_scatter
 from pallas_rs.api import row_parallel_matmul
 from pallas_rs.reference import matmul_reduce_scatter as reference_matmul_reduce_scatter
 
 __all__ = [
     "Config",
+    "all_gather_matmul",
     "matmul_reduce_scatter",
     "reference_matmul_reduce_scatter",
     "row_parallel_matmul",
     "shapes",
 ]
 
+_SUBMODULES = frozenset({
+    "ag_matmul", "api", "candidates", "config", "fused", "gate", "kernel", "metrics", "model",
+    "platform", "reference", "schedule", "testing", "timing", "transport", "tuning",
+    "tuning_schema", "vjp"})
+
 
 def __getattr__(name):
-  # Config lives with the kernel (pallas_rs/config.py); importing it lazily keeps
-  # `import pallas_rs` free of the Mosaic GPU import chain.
   if name == "Config":
     from pallas_rs.config import Config  # pylint: disable=g-import-not-at-top
     return Config
+  if name in _SUBMODULES:
+    return importlib.import_module(f"pallas_rs.{name}")
   raise AttributeError(f"module 'pallas_rs' has no attribute {name!r}")

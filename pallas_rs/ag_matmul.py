@@ -1,39 +1,31 @@
-"""All-gather matmul: `all_gather(lhs) @ rhs`, the mirror of matmul + reduce-scatter.
+"""jax's fused all-gather matmul kernel, as pallas_rs uses it.
 
-Used by the column-parallel layers of a sequence-parallel block (QKV, gate/up:
-gather the token chunks, multiply by this device's weight columns) and by the
-backward pass of the row-parallel op (`vjp.py`: gather the cotangent, multiply
-by `w.T`). Two implementations:
+`all_gather(lhs) @ rhs` is the mirror of matmul + reduce-scatter: the column-parallel layers
+of a sequence-parallel block (QKV, gate/up) and the backward pass of the row-parallel op
+(gather the cotangent, multiply by `w.T`). Its XLA path is `pallas_rs.reference.all_gather_matmul`;
+this module is the fused one: jax's Mosaic GPU kernel
+`jax.experimental.pallas.ops.gpu.collective_matmul_mgpu.all_gather_lhs_matmul`, a ring that
+forwards LHS tiles to the previous device (`plgpu.remote_ref` + one semaphore; no NVLink
+multicast) while computing. Hopper, one process, bf16/f16, the gathered axis spanning every
+device of the process, gather along rows, shapes divisible by its tiles (`check_supported`).
+Which path runs is `pallas_rs.gate.choose_ag_implementation`'s call (docs/design.md section 6).
 
-  "xla"    `lax.all_gather(lhs, tiled=True)` then `jnp.dot` (fp32 accumulation).
-  "fused"  jax's Mosaic GPU kernel
-           `jax.experimental.pallas.ops.gpu.collective_matmul_mgpu.
-           all_gather_lhs_matmul`: a ring that forwards LHS tiles to the
-           previous device (`plgpu.remote_ref` + one semaphore; no NVLink
-           multicast) while computing. Hopper, one process, bf16/f16, the
-           gathered axis spanning every device of the process, gather along
-           rows, shapes divisible by its tiles.
-
-"auto" takes the kernel where `check_supported` passes and XLA otherwise; the
-reason is logged once (shared log with `pallas_rs.api`).
-
-The kernel does not return the gathered LHS (its receive buffer is internal),
-so the "fused" path's second output is a separate `lax.all_gather`; callers
-that need it (the row-parallel backward's dw) pay that all-gather again. XLA
-drops it when unused (the column-parallel forward).
+The kernel does not return the gathered LHS (its receive buffer is internal), so
+`fused_all_gather_matmul`'s second output is a separate `lax.all_gather`; callers that need it
+(the row-parallel backward's dw) pay that all-gather again. XLA drops it when unused.
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
-from typing import Any
+from typing import Any, Mapping
 
 import jax
 from jax import lax
 import jax.numpy as jnp
 
-from pallas_rs import api
+from pallas_rs import platform
 
-IMPLEMENTATIONS = ("auto", "fused", "xla")
 _KERNEL_DTYPES = ("bfloat16", "float16")
 
 
@@ -44,7 +36,7 @@ def default_config(m_shard: int, n: int) -> Any:
   when m_shard is not a multiple of 128 (M = 512 at D = 8). 3 pipeline stages:
   3 * (128 + 256) * 64 * 2 B = 144 KiB of operands + 32 KiB epilogue, well under
   the 227 KiB of SMEM (4 stages would be 224 KiB, too close to the limit).
-  TODO(lead): tune on H200 with experiments/model_bench.py.
+  `experiments/autotune.py --op=ag_matmul` measures it against XLA per shape and D.
   """
   from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu  # pylint: disable=g-import-not-at-top
   tile_m = 128 if m_shard % 128 == 0 else 64
@@ -75,12 +67,8 @@ def check_supported(*, m_shard: int, k: int, n: int, dtype, out_dtype,
   if gather_dimension != 0:
     raise NotImplementedError(
         f"all_gather_lhs_matmul gathers rows only, got {gather_dimension=}")
-  if not api._on_hopper():  # pylint: disable=protected-access
-    dev = jax.devices()[0]
-    raise NotImplementedError(
-        "all_gather_lhs_matmul needs one process driving Hopper GPUs; have "
-        f"platform={dev.platform!r} {dev.device_kind!r} "
-        f"process_count={jax.process_count()}")
+  if not platform.on_hopper():
+    raise NotImplementedError(platform.not_hopper_reason("all_gather_lhs_matmul"))
   if num_devices < 2:
     raise NotImplementedError(
         f"all_gather_lhs_matmul needs >= 2 devices, got {num_devices=}")
@@ -122,85 +110,50 @@ def check_supported(*, m_shard: int, k: int, n: int, dtype, out_dtype,
   return config
 
 
-def choose_implementation(*, m_shard: int, k: int, n: int, dtype, out_dtype,
-                          num_devices: int, gather_dimension: int,
-                          implementation: str, config: Any = None
-                          ) -> tuple[str, Any, str | None]:
-  """("fused" | "xla", kernel config, fallback reason or None).
+def fused_all_gather_matmul(lhs, rhs, axis_name, *, config, out_dtype
+                            ) -> tuple[jax.Array, jax.Array]:
+  """The kernel inside shard_map: (all_gather(lhs) @ rhs [m, n], gathered lhs [m, k]).
 
-  "fused" raises NotImplementedError where the kernel does not apply; "auto"
-  falls back to "xla" with the reason.
+  `config` must come from `check_supported` for this call. Not differentiable (a Pallas call):
+  the custom VJPs of pallas_rs use it inside their rules.
   """
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"{implementation=} must be one of {IMPLEMENTATIONS}")
-  if implementation == "xla":
-    return "xla", None, None
-  kwargs = dict(m_shard=m_shard, k=k, n=n, dtype=dtype, out_dtype=out_dtype,
-                num_devices=num_devices, gather_dimension=gather_dimension,
-                config=config)
-  try:
-    return "fused", check_supported(**kwargs), None
-  except NotImplementedError as e:
-    if implementation == "fused":
-      raise
-    return "xla", None, f"all_gather_matmul: {e}"
-
-
-def all_gather_matmul(lhs: jax.Array, rhs: jax.Array, axis_name, *,
-                      gather_dimension: int = 0, out_dtype=None,
-                      implementation: str = "auto", config: Any = None
-                      ) -> tuple[jax.Array, jax.Array]:
-  """`all_gather(lhs) @ rhs` with fp32 accumulation; call inside shard_map.
-
-  Same signature and results as `pallas_rs.vjp.all_gather_matmul`, plus the
-  implementation choice. Not differentiable on the "fused" path (a Pallas
-  call): differentiate through `model.column_parallel_matmul`, or the
-  row-parallel op's custom VJP, which use this in their rules.
-
-  Args:
-    lhs: [m // D, k] (gather_dimension=0) or [m, k // D] (gather_dimension=1).
-    rhs: [k, n], this device's weight columns.
-    axis_name: the mesh axis to gather over (D = its size).
-    gather_dimension: the dimension of `lhs` to gather.
-    out_dtype: dtype of the product; defaults to `lhs.dtype`.
-    implementation: "auto" | "fused" | "xla" (module docstring).
-    config: `hopper_matmul_mgpu.TuningConfig` for the kernel, or None.
-
-  Returns:
-    (product [m, n], gathered lhs [m, k]).
-
-  Raises:
-    ValueError: bad ranks or shapes, unknown implementation.
-    NotImplementedError: implementation="fused" where the kernel does not apply.
-  """
-  from pallas_rs import vjp  # pylint: disable=g-import-not-at-top
-  out_dtype = jnp.dtype(out_dtype or lhs.dtype)
-  if lhs.ndim != 2 or rhs.ndim != 2:
-    raise ValueError(f"lhs and rhs must be rank 2, got {lhs.shape=} "
-                     f"{rhs.shape=}")
-  num_devices = lax.axis_size(axis_name)
-  k = lhs.shape[1] * (num_devices if gather_dimension == 1 else 1)
-  if k != rhs.shape[0]:
-    raise ValueError(f"contraction sizes differ: {lhs.shape=} "
-                     f"{gather_dimension=} {rhs.shape=} ({num_devices=})")
-  impl, config, reason = choose_implementation(
-      m_shard=lhs.shape[0], k=k, n=rhs.shape[1], dtype=lhs.dtype,
-      out_dtype=out_dtype, num_devices=num_devices,
-      gather_dimension=gather_dimension, implementation=implementation,
-      config=config)
-  if reason is not None:
-    api._log_fallback_once(reason)  # pylint: disable=protected-access
-  if impl == "xla":
-    return vjp.all_gather_matmul(lhs, rhs, axis_name,
-                                 gather_dimension=gather_dimension,
-                                 out_dtype=out_dtype)
-  return _fused(lhs, rhs, axis_name, config, out_dtype)
-
-
-def _fused(lhs, rhs, axis_name, config, out_dtype):
   from jax.experimental.pallas.ops.gpu import collective_matmul_mgpu  # pylint: disable=g-import-not-at-top
   out = collective_matmul_mgpu.all_gather_lhs_matmul(
       lhs, rhs, axis_name, config=config, dtype=out_dtype)
   # Only materialised when the caller uses it (see the module docstring).
   return out, lax.all_gather(lhs, axis_name, axis=0, tiled=True)
 
+
+def config_to_json(cfg) -> dict[str, Any]:
+  """A `hopper_matmul_mgpu.TuningConfig` as a tuning-table object (enums by name)."""
+  out = {}
+  for f in dataclasses.fields(cfg):
+    value = getattr(cfg, f.name)
+    out[f.name] = getattr(value, "name", value)
+  return out
+
+
+def config_from_json(obj: Mapping[str, Any]):
+  """Inverse of `config_to_json`; ValueError on unknown fields or bad values."""
+  from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu  # pylint: disable=g-import-not-at-top
+  if not isinstance(obj, Mapping):
+    raise ValueError(f"config must be an object, got {type(obj).__name__}")
+  fields = {f.name for f in dataclasses.fields(hopper_matmul_mgpu.TuningConfig)}
+  unknown = sorted(set(obj) - fields)
+  if unknown:
+    raise ValueError(f"unknown all-gather matmul config fields {unknown}; known: {sorted(fields)}")
+  kw = dict(obj)
+  for name in ("grid_minor_dim", "wg_dimension", "cluster_dimension"):
+    if kw.get(name) is not None:
+      try:
+        kw[name] = hopper_matmul_mgpu.MatmulDimension[kw[name]]
+      except KeyError:
+        raise ValueError(f"{name}={kw[name]!r} must be 'M' or 'N'") from None
+  for name, value in kw.items():
+    if name not in ("grid_minor_dim", "wg_dimension", "cluster_dimension", "epi_tile_m",
+                    "epi_tile_n") and (not isinstance(value, int) or isinstance(value, bool)):
+      raise ValueError(f"config field {name}={value!r} must be an int")
+  try:
+    return hopper_matmul_mgpu.TuningConfig(**kw)
+  except TypeError as e:
+    raise ValueError(f"all-gather matmul config: {e}") from None

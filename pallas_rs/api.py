@@ -1,47 +1,28 @@
-"""Public entry points: validate, choose an implementation, apply the custom VJP."""
+"""Public entry points: validate, resolve the implementation once, apply the custom VJP.
+
+  matmul_reduce_scatter   inside `jax.shard_map`: row-parallel matmul + reduce-scatter.
+  row_parallel_matmul     the same on global arrays (applies jit + shard_map).
+  all_gather_matmul       inside `jax.shard_map`: its mirror, `all_gather(lhs) @ rhs`.
+
+"auto" is decided by `pallas_rs.gate` (docs/design.md section 6), once per trace.
+"""
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
-from absl import logging
 import jax
 from jax import lax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from pallas_rs import gate
+from pallas_rs import platform
 from pallas_rs import vjp
 
-IMPLEMENTATIONS = ("auto", "fused", "xla")
-
-# Fallback reasons already logged, so that each distinct reason is logged once
-# per process rather than once per trace.
-_logged_fallback_reasons: set[str] = set()
-
-
-def reset_fallback_log() -> None:
-  """Forgets the logged fallback reasons (for tests)."""
-  _logged_fallback_reasons.clear()
-
-
-def _log_fallback_once(reason: str) -> None:
-  if reason in _logged_fallback_reasons:
-    return
-  _logged_fallback_reasons.add(reason)
-  # On a GPU the user may have expected the fused kernel: say so loudly.
-  if jax.devices()[0].platform == "gpu":
-    logging.warning("pallas_rs: using the XLA path: %s", reason)
-  else:
-    logging.info("pallas_rs: using the XLA path: %s", reason)
-
-
-def _on_hopper() -> bool:
-  """Whether the fused kernel can run here: one process driving Hopper GPUs."""
-  dev = jax.devices()[0]
-  return (dev.platform == "gpu"
-          and str(getattr(dev, "compute_capability", "")).startswith("9.")
-          and jax.process_count() == 1)
+IMPLEMENTATIONS = gate.IMPLEMENTATIONS
 
 
 def _normalize_scatter_dimension(scatter_dimension) -> int:
@@ -53,10 +34,39 @@ def _normalize_scatter_dimension(scatter_dimension) -> int:
   return scatter_dimension % 2
 
 
-def _validate(x, w, axis_name, scatter_dimension, implementation):
+def _check_config(config) -> None:
+  """`config` must be None or a `pallas_rs.Config` (a dict or a string is a mistake)."""
+  if config is None:
+    return
+  from pallas_rs.config import Config  # pylint: disable=g-import-not-at-top  (Mosaic GPU imports)
+  if not isinstance(config, Config):
+    raise TypeError(f"config must be a pallas_rs.Config or None, got {type(config).__name__} "
+                    f"{config!r}; e.g. config=pallas_rs.Config(tile_m=64)")
+
+
+def _check_floating(dtype, what: str) -> None:
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(f"{what} must be floating point, got {dtype=}")
+  if jnp.dtype(dtype) == jnp.float64:
+    # The products accumulate in float32 (docs/design.md section 5): a float64 result would
+    # silently carry float32 accuracy.
+    raise ValueError(f"{what}: float64 is not supported (accumulation is float32); cast the "
+                     f"inputs to float32 or bfloat16, got {dtype=}")
+
+
+def _axis_size(axis_name, fn_name: str) -> int:
+  try:
+    return lax.axis_size(axis_name)
+  except NameError as e:
+    raise ValueError(
+        f"unknown {axis_name=}: call {fn_name} inside jax.shard_map "
+        f"over a mesh with that axis ({e})") from None
+
+
+def _validate(x, w, axis_name, scatter_dimension, implementation, config):
   """Checks the per-device arguments; returns (num_devices, scatter_dimension)."""
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"{implementation=} must be one of {IMPLEMENTATIONS}")
+  gate.check_implementation(implementation)
+  _check_config(config)
   scatter_dimension = _normalize_scatter_dimension(scatter_dimension)
   if x.ndim != 2 or w.ndim != 2:
     raise ValueError(f"x and w must be rank 2 ([m, k_shard] and [k_shard, n]), "
@@ -64,17 +74,11 @@ def _validate(x, w, axis_name, scatter_dimension, implementation):
   if x.dtype != w.dtype:
     raise ValueError(f"x and w must have the same dtype, got {x.dtype=} "
                      f"{w.dtype=}")
-  if not jnp.issubdtype(x.dtype, jnp.floating):
-    raise ValueError(f"x and w must be floating point, got {x.dtype=}")
+  _check_floating(x.dtype, "x and w")
   if x.shape[1] != w.shape[0]:
     raise ValueError(f"contraction dimensions differ: {x.shape=} {w.shape=} "
                      f"(x.shape[1] must equal w.shape[0])")
-  try:
-    num_devices = lax.axis_size(axis_name)
-  except NameError as e:
-    raise ValueError(
-        f"unknown {axis_name=}: call matmul_reduce_scatter inside jax.shard_map "
-        f"over a mesh with that axis ({e})") from None
+  num_devices = _axis_size(axis_name, "matmul_reduce_scatter")
   dim_name = ("m", "n")[scatter_dimension]
   size = (x.shape[0], w.shape[1])[scatter_dimension]
   if size % num_devices:
@@ -83,55 +87,6 @@ def _validate(x, w, axis_name, scatter_dimension, implementation):
         f"({num_devices=}) to scatter along {scatter_dimension=}; "
         f"{x.shape=} {w.shape=}")
   return num_devices, scatter_dimension
-
-
-def _choose_implementation(*, m: int, k_shard: int, n: int, dtype,
-                           num_devices: int, scatter_dimension: int,
-                           implementation: str, config: Any, axis_name=None
-                           ) -> tuple[str, Any, str | None]:
-  """Resolves `implementation` to ("fused" | "xla", config, fallback reason).
-
-  The reason is None unless "auto" fell back to XLA. ValueError from the fused
-  kernel's checks propagates; NotImplementedError means "fall back". For
-  "fused" the config is passed through unchanged (the kernel resolves None).
-
-  "auto" on Hopper: the kernel must support the call (`fused.check_supported`);
-  then an explicit `config` means "fused" with that config (the user asked for
-  it), and without one `pallas_rs.tuning.choose` decides fused vs XLA and the
-  config from the tuning table (fused only where measured to win).
-  """
-  if implementation == "xla":
-    return "xla", config, None
-  if implementation == "fused":
-    if scatter_dimension != 0:
-      raise NotImplementedError(
-          f"the fused kernel supports only scatter_dimension=0, got "
-          f"{scatter_dimension=}; use implementation='xla' or 'auto'")
-    return "fused", config, None
-  assert implementation == "auto", implementation
-  if scatter_dimension != 0:
-    return "xla", config, f"fused kernel needs scatter_dimension=0, got {scatter_dimension=}"
-  if not _on_hopper():
-    dev = jax.devices()[0]
-    return "xla", config, (
-        "fused kernel needs one process driving Hopper GPUs; have "
-        f"platform={dev.platform!r} {dev.device_kind!r} "
-        f"process_count={jax.process_count()}")
-  from pallas_rs import fused  # pylint: disable=g-import-not-at-top
-  from pallas_rs import tuning  # pylint: disable=g-import-not-at-top
-  try:
-    fused.check_mesh(axis_name)
-    fused.check_supported(m=m, k_shard=k_shard, n=n, dtype=dtype,
-                          num_devices=num_devices, config=config)
-  except NotImplementedError as e:
-    return "xla", config, str(e)
-  # An explicit config overrides the table's gate (tuning's "override" source).
-  decision = tuning.choose(m=m, n=n, k_shard=k_shard, dtype=dtype,
-                           num_devices=num_devices,
-                           gpu_kind=jax.devices()[0].device_kind, config=config)
-  if decision.implementation == "fused":
-    return "fused", decision.config, None
-  return "xla", None, f"tuning ({decision.source}): {decision.reason}"
 
 
 def matmul_reduce_scatter(x: jax.Array, w: jax.Array, *, axis_name,
@@ -153,39 +108,91 @@ def matmul_reduce_scatter(x: jax.Array, w: jax.Array, *, axis_name,
       (sequence parallelism); 1 scatters columns, giving [m, n // D]. -2 and -1
       are accepted as aliases of 0 and 1.
     implementation: "xla" (`jnp.dot` + `lax.psum_scatter`), "fused" (the Mosaic
-      GPU kernel; Hopper only) or "auto" (on Hopper, the fused kernel where the
-      tuning table, `pallas_rs.tuning`, measured it to win, else XLA; the
-      reason for falling back is logged once).
-    config: optional `pallas_rs.Config` for the fused kernel. With "auto", an
-      explicit config selects the fused kernel wherever it supports the call
-      (the table's gate and config are skipped).
+      GPU kernel; Hopper only: elsewhere it raises, saying so) or "auto" (on
+      Hopper, the fused kernel where the tuning table, `pallas_rs.tuning`,
+      measured it to win, else XLA; the reason for falling back is logged once).
+    config: optional `pallas_rs.Config` for the fused kernel (anything else is a
+      TypeError). With "auto", an explicit config selects the fused kernel
+      wherever it supports the call (the table's gate and config are skipped).
 
   Returns:
     [m // D, n] for scatter_dimension=0, [m, n // D] for 1; device d holds
     chunk d.
 
   Raises:
-    ValueError: bad ranks, dtypes, shapes, axis name, scatter_dimension or
-      implementation.
+    ValueError: bad ranks, dtypes (float64 included: accumulation is float32),
+      shapes, axis name, scatter_dimension or implementation.
+    TypeError: a config that is not a `pallas_rs.Config`.
     NotImplementedError: implementation="fused" for a legal call the kernel
-      does not support (e.g. scatter_dimension=1).
+      does not support (e.g. scatter_dimension=1, or a GPU that is not Hopper).
   """
   x, w = jnp.asarray(x), jnp.asarray(w)
   num_devices, scatter_dimension = _validate(x, w, axis_name, scatter_dimension,
-                                             implementation)
-  impl, config, reason = _choose_implementation(
+                                             implementation, config)
+  impl, config, reason = gate.resolve(
       m=x.shape[0], k_shard=x.shape[1], n=w.shape[1], dtype=x.dtype,
       num_devices=num_devices, scatter_dimension=scatter_dimension,
       implementation=implementation, config=config, axis_name=axis_name)
   if reason is not None:
-    _log_fallback_once(reason)
+    platform.log_fallback_once(reason)
   return vjp.matmul_reduce_scatter(x, w, axis_name, scatter_dimension, impl,
                                    config)
 
 
+def all_gather_matmul(lhs: jax.Array, rhs: jax.Array, axis_name, *,
+                      gather_dimension: int = 0, out_dtype=None,
+                      implementation: str = "auto", config: Any = None
+                      ) -> tuple[jax.Array, jax.Array]:
+  """`all_gather(lhs) @ rhs` with fp32 accumulation; call inside shard_map.
+
+  The mirror of `matmul_reduce_scatter` (column-parallel layers of a sequence-parallel
+  block). Not differentiable on the "fused" path (a Pallas call): differentiate through
+  `model.column_parallel_matmul`, or the row-parallel op's custom VJP, which use this in
+  their rules.
+
+  Args:
+    lhs: [m // D, k] (gather_dimension=0) or [m, k // D] (gather_dimension=1).
+    rhs: [k, n], this device's weight columns.
+    axis_name: the mesh axis to gather over (D = its size).
+    gather_dimension: the dimension of `lhs` to gather.
+    out_dtype: dtype of the product; defaults to `lhs.dtype`.
+    implementation: "xla" (`pallas_rs.reference.all_gather_matmul`), "fused" (jax's
+      collective_matmul_mgpu, `pallas_rs.ag_matmul`) or "auto" (the kernel only where the
+      tuning table measured it to win, `gate.choose_ag_implementation`; else XLA, the reason
+      logged once).
+    config: `hopper_matmul_mgpu.TuningConfig` for the kernel, or None.
+
+  Returns:
+    (product [m, n], gathered lhs [m, k]).
+
+  Raises:
+    ValueError: bad ranks or shapes, unknown implementation or axis.
+    NotImplementedError: implementation="fused" where the kernel does not apply.
+  """
+  out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+  if lhs.ndim != 2 or rhs.ndim != 2:
+    raise ValueError(f"lhs and rhs must be rank 2, got {lhs.shape=} "
+                     f"{rhs.shape=}")
+  _check_floating(lhs.dtype, "lhs")
+  num_devices = _axis_size(axis_name, "all_gather_matmul")
+  k = lhs.shape[1] * (num_devices if gather_dimension == 1 else 1)
+  if k != rhs.shape[0]:
+    raise ValueError(f"contraction sizes differ: {lhs.shape=} "
+                     f"{gather_dimension=} {rhs.shape=} ({num_devices=})")
+  resolved = gate.choose_ag_implementation(
+      m_shard=lhs.shape[0], k=k, n=rhs.shape[1], dtype=lhs.dtype,
+      out_dtype=out_dtype, num_devices=num_devices,
+      gather_dimension=gather_dimension, implementation=implementation,
+      config=config)
+  return vjp.run_all_gather_matmul(lhs, rhs, axis_name, gather_dimension=gather_dimension,
+                                   out_dtype=out_dtype, resolved=resolved)
+
+
 def _constrain(a, mesh, spec):
   sharding = NamedSharding(mesh, spec)
-  if any(name in mesh.explicit_axes for name in spec if name is not None):
+  names = [n for entry in spec if entry is not None
+           for n in (entry if isinstance(entry, tuple) else (entry,))]
+  if any(name in mesh.explicit_axes for name in names):
     return jax.sharding.reshard(a, sharding)
   return lax.with_sharding_constraint(a, sharding)
 
@@ -219,9 +226,11 @@ def row_parallel_matmul(x: jax.Array, w: jax.Array, *, mesh: jax.sharding.Mesh,
     x: [m, k] global activations.
     w: [k, n] global weight.
     mesh: the device mesh; must contain `axis_name`.
-    axis_name: the mesh axis to shard K over (D = its size).
+    axis_name: the mesh axis to shard K over (D = its size), or a tuple of mesh
+      axes (D = the product of their sizes).
     scatter_dimension: as in `matmul_reduce_scatter`.
-    **kwargs: `implementation` and `config`, passed to `matmul_reduce_scatter`.
+    **kwargs: `implementation` and `config`, passed to `matmul_reduce_scatter`
+      (validated here, before the jit cache sees them).
 
   Returns:
     [m, n], sharded along rows (or columns for scatter_dimension=1).
@@ -230,13 +239,15 @@ def row_parallel_matmul(x: jax.Array, w: jax.Array, *, mesh: jax.sharding.Mesh,
     ValueError: as `matmul_reduce_scatter`, and for an axis not in the mesh or
       k not divisible by D.
   """
-  if axis_name not in mesh.axis_names:
+  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  missing = [name for name in names if name not in mesh.axis_names]
+  if missing or not names:
     raise ValueError(f"{axis_name=} is not an axis of the mesh "
-                     f"({mesh.axis_names=})")
+                     f"({mesh.axis_names=}; a tuple of its axes is also accepted)")
   if jnp.ndim(x) != 2 or jnp.ndim(w) != 2:
     raise ValueError(f"x and w must be rank 2 ([m, k] and [k, n]), got "
                      f"{jnp.shape(x)=} {jnp.shape(w)=}")
-  num_devices = mesh.shape[axis_name]
+  num_devices = math.prod(mesh.shape[name] for name in names)
   k = jnp.shape(x)[1]
   if k != jnp.shape(w)[0]:
     raise ValueError(f"contraction dimensions differ: {jnp.shape(x)=} "
@@ -245,6 +256,12 @@ def row_parallel_matmul(x: jax.Array, w: jax.Array, *, mesh: jax.sharding.Mesh,
     raise ValueError(f"{k=} must be divisible by the size of {axis_name=} "
                      f"({num_devices=})")
   scatter_dimension = _normalize_scatter_dimension(scatter_dimension)
+  unknown = sorted(set(kwargs) - {"implementation", "config"})
+  if unknown:
+    raise TypeError(f"unexpected keyword arguments {unknown}; row_parallel_matmul takes "
+                    "implementation= and config=")
+  gate.check_implementation(kwargs.get("implementation", "auto"))
+  _check_config(kwargs.get("config"))
   fn = _row_parallel_fn(mesh, axis_name, scatter_dimension,
                         tuple(sorted(kwargs.items())))
   return fn(x, w)

@@ -162,10 +162,6 @@ class Config:
           f"num_sms // num_devices = {self.num_sms} // {num_devices} CTAs of a loopback rank")
 
 
-def tiles_per_chunk(config: Config, *, m: int, n: int, num_devices: int) -> int:
-  return (m // num_devices // config.cta_tile_m) * (n // config.cta_tile_n)
-
-
 def default_partial_dtype(num_devices: int) -> str:
   """The partial dtype that keeps the seed's error rule (docs/design.md section 5).
 

@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -45,6 +46,30 @@ def check_supported(*, m: int, k_shard: int, n: int, dtype, num_devices: int,
   return config
 
 
+@dataclasses.dataclass(frozen=True)
+class CheckedConfig:
+  """A config that `check_supported` (and, inside shard_map, `check_mesh`) accepted for one
+  problem. `pallas_rs.gate` decides "auto" once and hands this down; the entry points below
+  then use the config without checking again (a plain Config or None is checked as usual)."""
+  config: Config
+  problem: tuple  # (m, k_shard, n, dtype name, num_devices)
+
+  @classmethod
+  def of(cls, config: Config, *, m, k_shard, n, dtype, num_devices) -> CheckedConfig:
+    return cls(config, (m, k_shard, n, jnp.dtype(dtype).name, num_devices))
+
+
+def _checked(config, *, m, k_shard, n, dtype, num_devices) -> Config:
+  """The config to run: a CheckedConfig's for this very problem, else `check_supported`'s."""
+  if isinstance(config, CheckedConfig):
+    problem = (m, k_shard, n, jnp.dtype(dtype).name, num_devices)
+    if config.problem != problem:
+      raise ValueError(f"config was checked for {config.problem}, not {problem}")
+    return config.config
+  return check_supported(m=m, k_shard=k_shard, n=n, dtype=dtype, num_devices=num_devices,
+                         config=config)
+
+
 def gpu_num_sms() -> int | None:
   """SM count of the local GPU, or None without one (lowering from a CPU machine uses the
   config's num_sms, DEFAULT_NUM_SMS by default)."""
@@ -54,18 +79,20 @@ def gpu_num_sms() -> int | None:
 
 def check_mesh(axis_name) -> None:
   """Inside shard_map: raises NotImplementedError unless this is one process and `axis_name`
-  is the mesh's only non-trivial axis. Peers are addressed by a scalar mesh index (NVLinkTransport), which is
-  only right on a 1-D mesh; multi-axis meshes are unverified on hardware (design.md 5)."""
+  (a name or a tuple of names) covers the mesh's only non-trivial axis. Peers are addressed by a
+  scalar mesh index (NVLinkTransport), which is only right on a 1-D mesh; multi-axis meshes are
+  unverified on hardware (docs/design.md section 7)."""
   if jax.process_count() > 1:
     # Without NVSHMEM, Mosaic GPU's multi-process mode maps every kernel buffer as NVLink
-    # multicast memory, which must never be used here (design.md section 5).
+    # multicast memory, which must never be used here (docs/design.md section 7).
     raise NotImplementedError(
         f"fused kernel runs only with one process driving all local GPUs; "
         f"process_count={jax.process_count()}")
   mesh = jax.sharding.get_abstract_mesh()
-  others = {name: size for name, size in dict(mesh.shape).items()
-            if name != axis_name and size > 1}
-  if others:
+  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  sizes = dict(mesh.shape)
+  others = {name: size for name, size in sizes.items() if name not in names and size > 1}
+  if others or sum(sizes.get(name, 1) > 1 for name in names) > 1:
     raise NotImplementedError(
         f"fused kernel needs {axis_name=} to be the only mesh axis of size > 1; the mesh is "
         f"{dict(mesh.shape)}")
@@ -126,9 +153,9 @@ def fused_matmul_reduce_scatter(x, w, *, axis_name, num_devices: int,
   (kernel.kernel_body says what each leaves out)."""
   m, k_shard = x.shape
   n = w.shape[1]
-  check_mesh(axis_name)
-  config = check_supported(m=m, k_shard=k_shard, n=n, dtype=x.dtype,
-                           num_devices=num_devices, config=config)
+  if not isinstance(config, CheckedConfig):
+    check_mesh(axis_name)
+  config = _checked(config, m=m, k_shard=k_shard, n=n, dtype=x.dtype, num_devices=num_devices)
   chunk = m // num_devices
   out_type = (jax.ShapeDtypeStruct((chunk, n), x.dtype),)
   if num_devices > 1:
@@ -143,7 +170,7 @@ def local_matmul(x, w, *, config: Config | None = None) -> jax.Array:
   """The kernel at D = 1 on one GPU, outside shard_map: x [m, k] @ w [k, n] -> [m, n]."""
   m, k = x.shape
   n = w.shape[1]
-  config = check_supported(m=m, k_shard=k, n=n, dtype=x.dtype, num_devices=1, config=config)
+  config = _checked(config, m=m, k_shard=k, n=n, dtype=x.dtype, num_devices=1)
   f = _build(transport_lib.NVLinkTransport("_unused", 1),
              out_type=(jax.ShapeDtypeStruct((m, n), x.dtype),), config=config, num_devices=1,
              name="pallas_rs_local_matmul")
@@ -159,8 +186,7 @@ def loopback_matmul_reduce_scatter(xs, ws, *, config: Config | None = None,
   n = ws.shape[2]
   if ws.shape[:2] != (d, k_shard):
     raise ValueError(f"xs {xs.shape} and ws {ws.shape} must be [D, m, k_shard], [D, k_shard, n]")
-  config = check_supported(m=m, k_shard=k_shard, n=n, dtype=xs.dtype, num_devices=d,
-                           config=config)
+  config = _checked(config, m=m, k_shard=k_shard, n=n, dtype=xs.dtype, num_devices=d)
   if d < 2:
     raise NotImplementedError("loopback needs at least 2 virtual ranks; use local_matmul")
   if config.num_sms < d:

@@ -9,7 +9,7 @@ Notation (per device, row-parallel layer over `num_devices` = D devices):
 Times are in any unit as long as all arguments of one call share it (the
 benchmark uses microseconds); rates take seconds.
 
-Overlap figures (design.md, section 2):
+Overlap figures (docs/design.md section 2):
   E = (T_gemm + T_comm - T_fused) / min(T_gemm, T_comm)   the headline.
       0: no better than running the two one after the other; 1: the fused
       time reached max(T_gemm, T_comm). Negative when the fused path is slower
@@ -30,15 +30,15 @@ import math
 
 import numpy as np
 
-# Measured on one H200/H100 (design.md, section 3): dense bf16 GEMM throughput.
+# Measured on one H200/H100 (docs/design.md section 7): dense bf16 GEMM throughput.
 # Not the datasheet's 989 TFLOP/s: the figure a real cuBLAS GEMM reaches.
 MEASURED_PEAK_FLOPS_BF16 = 790e12
 # Measured NCCL ring reduce-scatter bus bandwidth at 128 MB on 8xH100
-# (design.md, section 3), NCCL's "busbw" convention.
+# (docs/design.md section 7), NCCL's "busbw" convention.
 MEASURED_RS_BUS_BANDWIDTH = 311e9
 ESTIMATE_LABEL = (
     "roofline estimate from measured peaks (bf16 dense 790e12 FLOP/s, "
-    "NCCL reduce-scatter busbw 311e9 B/s; design.md section 3), not a "
+    "NCCL reduce-scatter busbw 311e9 B/s; docs/design.md section 7), not a "
     "measurement")
 
 

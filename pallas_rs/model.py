@@ -29,11 +29,11 @@ column-parallel layer without concatenating weights at run time. Sharding:
 
 Implementations (`implementation=`): "auto" | "fused" | "xla" select the
 row-parallel op (`pallas_rs.matmul_reduce_scatter`); the column-parallel
-AG-matmuls follow `ag_implementation` (default: "xla" for "xla", else "auto",
-so that a "fused" block still runs where jax's AG kernel does not apply).
-"no_comm" (benchmarks only, numerically meaningless) replaces every collective
-by a local op of the same shapes: all_gather -> tile, reduce_scatter -> slice
-of the local product; T(xla) - T(no_comm) is the exposed communication.
+AG-matmuls (`pallas_rs.all_gather_matmul`) follow `ag_implementation` (default:
+"xla" for "xla", else "auto", so that a "fused" block still runs where jax's AG
+kernel does not apply). The layers are `block_forward`'s `row_parallel` and
+`column_parallel` arguments, so that a benchmark can swap them (the no-communication
+baseline of experiments/model_bench.py).
 """
 from __future__ import annotations
 
@@ -48,12 +48,11 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from pallas_rs import ag_matmul
 from pallas_rs import api
 
-NO_COMM = "no_comm"
-IMPLEMENTATIONS = api.IMPLEMENTATIONS + (NO_COMM,)
-ROW_PARALLEL_LAYERS = ("o_proj", "down_proj")
+IMPLEMENTATIONS = api.IMPLEMENTATIONS
+# The block's four collective matmuls, in program order.
+LAYERS = ("qkv", "o_proj", "gate_up", "down_proj")
 
 
 class BlockParams(NamedTuple):
@@ -142,9 +141,8 @@ def column_parallel_matmul(x, w, axis_name, implementation, ag_implementation,
   gathered again rather than kept (residuals are the operands only).
   """
   del implementation  # Used by the backward pass.
-  out, _ = ag_matmul.all_gather_matmul(x, w, axis_name,
-                                       implementation=ag_implementation,
-                                       config=config)
+  out, _ = api.all_gather_matmul(x, w, axis_name, implementation=ag_implementation,
+                                 config=config)
   return out
 
 
@@ -167,23 +165,20 @@ def _column_bwd(axis_name, implementation, ag_implementation, config, res, dy):
 column_parallel_matmul.defvjp(_column_fwd, _column_bwd)
 
 
-def _row_parallel(x, w, axis_name, implementation, config):
-  if implementation == NO_COMM:
-    y = jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
-    m_shard = x.shape[0] // lax.axis_size(axis_name)
-    return lax.dynamic_slice_in_dim(y, lax.axis_index(axis_name) * m_shard,
-                                    m_shard, axis=0)
+def row_parallel(x, w, *, axis_name, implementation, config=None, layer=None):
+  """`reduce_scatter(x @ w)` inside shard_map: x [M, k_shard] -> [M/D, n] (o_proj, down_proj).
+
+  `layer` names the projection (for benchmarks that swap this function); unused here.
+  """
+  del layer
   return api.matmul_reduce_scatter(x, w, axis_name=axis_name,
                                    implementation=implementation, config=config)
 
 
-def _column_parallel(x, w, axis_name, implementation, ag_implementation):
-  if implementation == NO_COMM:
-    x_full = jnp.tile(x, (lax.axis_size(axis_name), 1))
-    return jnp.dot(x_full, w, preferred_element_type=jnp.float32
-                   ).astype(x.dtype)
-  return column_parallel_matmul(x, w, axis_name, implementation,
-                                ag_implementation, None)
+def column_parallel(x, w, *, axis_name, implementation, ag_implementation, layer=None):
+  """`all_gather(x) @ w` inside shard_map: x [M/D, H] -> [M, n_shard] (qkv, gate_up)."""
+  del layer
+  return column_parallel_matmul(x, w, axis_name, implementation, ag_implementation, None)
 
 
 # ---------------------------------------------------------------------------
@@ -209,7 +204,8 @@ def block_forward(params: BlockParams, h: jax.Array, *, axis_name,
                   implementation: str = "auto",
                   ag_implementation: str | None = None,
                   config: Any = None, eps: float = 1e-5,
-                  attention_implementation: str | None = None) -> jax.Array:
+                  attention_implementation: str | None = None,
+                  row_parallel=row_parallel, column_parallel=column_parallel) -> jax.Array:
   """One block on this device's token chunk; call inside `jax.shard_map`.
 
   Args:
@@ -220,8 +216,7 @@ def block_forward(params: BlockParams, h: jax.Array, *, axis_name,
     axis_name: the tensor/sequence-parallel mesh axis (D = its size).
     heads: global number of query heads (kv_heads: key/value heads, default
       heads; GQA when fewer).
-    implementation: "auto" | "fused" | "xla" for the row-parallel layers, or
-      "no_comm" (benchmarks only); see the module docstring.
+    implementation: "auto" | "fused" | "xla" for the row-parallel layers.
     ag_implementation: "auto" | "fused" | "xla" for the column-parallel
       AG-matmuls; None: "xla" when implementation is "xla", else "auto".
     config: a `pallas_rs.Config` for both row-parallel layers, or a mapping
@@ -229,6 +224,9 @@ def block_forward(params: BlockParams, h: jax.Array, *, axis_name,
     eps: RMSNorm epsilon.
     attention_implementation: passed to `jax.nn.dot_product_attention`
       (None/"xla": materialised scores; "cudnn": flash attention on GPU).
+    row_parallel, column_parallel: the two layer functions (signatures of this
+      module's `row_parallel` and `column_parallel`, called with `layer=` one of
+      LAYERS); benchmarks swap them.
 
   Returns:
     [M/D, H], the block's output chunk.
@@ -236,7 +234,7 @@ def block_forward(params: BlockParams, h: jax.Array, *, axis_name,
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"{implementation=} must be one of {IMPLEMENTATIONS}")
   if ag_implementation is None:
-    ag_implementation = "xla" if implementation in ("xla", NO_COMM) else "auto"
+    ag_implementation = "xla" if implementation == "xla" else "auto"
   kv_heads = heads if kv_heads is None else kv_heads
   num_devices = lax.axis_size(axis_name)
   hq, hkv = heads // num_devices, kv_heads // num_devices
@@ -247,25 +245,24 @@ def block_forward(params: BlockParams, h: jax.Array, *, axis_name,
     raise ValueError(f"wqkv per device has {p.wqkv.shape[1]} columns, expected "
                      f"({hq=} + 2*{hkv=}) * {head_dim=} ({heads=} "
                      f"{kv_heads=} {num_devices=})")
-  column = functools.partial(_column_parallel, axis_name=axis_name,
+  column = functools.partial(column_parallel, axis_name=axis_name,
                              implementation=implementation,
                              ag_implementation=ag_implementation)
+  row = functools.partial(row_parallel, axis_name=axis_name, implementation=implementation)
 
-  qkv = column(rms_norm(h, p.attn_norm, eps), p.wqkv)           # [M, cols]
+  qkv = column(rms_norm(h, p.attn_norm, eps), p.wqkv, layer="qkv")         # [M, cols]
   q, k, v = jnp.split(qkv, [hq * head_dim, (hq + hkv) * head_dim], axis=1)
   attn = jax.nn.dot_product_attention(
       q.reshape(1, m, hq, head_dim), k.reshape(1, m, hkv, head_dim),
       v.reshape(1, m, hkv, head_dim), is_causal=True,
       implementation=attention_implementation)
   attn = attn.reshape(m, hq * head_dim)
-  h = h + _row_parallel(attn, p.wo, axis_name, implementation,
-                        _config_for(config, "o_proj"))
+  h = h + row(attn, p.wo, config=_config_for(config, "o_proj"), layer="o_proj")
 
-  gate_up = column(rms_norm(h, p.mlp_norm, eps), p.wgate_up)    # [M, 2F/D]
+  gate_up = column(rms_norm(h, p.mlp_norm, eps), p.wgate_up, layer="gate_up")  # [M, 2F/D]
   gate, up = jnp.split(gate_up.astype(jnp.float32), 2, axis=1)
   act = (jax.nn.silu(gate) * up).astype(h.dtype)
-  return h + _row_parallel(act, p.wdown, axis_name, implementation,
-                           _config_for(config, "down_proj"))
+  return h + row(act, p.wdown, config=_config_for(config, "down_proj"), layer="down_proj")
 
 
 def make_block_fn(mesh: jax.sharding.Mesh, axis_name, *, heads: int,

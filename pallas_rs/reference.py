@@ -1,8 +1,9 @@
-"""Pure-XLA reference for matmul + reduce-scatter, and a numpy oracle.
+"""Pure-XLA references: matmul + reduce-scatter, its mirror the all-gather matmul, and oracles.
 
 `matmul_reduce_scatter` has the same signature as `pallas_rs.matmul_reduce_scatter`
 (less the implementation choice): it is the `implementation="xla"` path, the
-baseline of the experiments, and the oracle of the tests.
+baseline of the experiments, and the oracle of the tests. `all_gather_matmul` is
+the XLA path of the all-gather matmul (`pallas_rs.all_gather_matmul`).
 """
 from __future__ import annotations
 
@@ -32,6 +33,30 @@ def matmul_reduce_scatter(x: jax.Array, w: jax.Array, *, axis_name,
   y = jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
   return lax.psum_scatter(y, axis_name, scatter_dimension=scatter_dimension,
                           tiled=True)
+
+
+def all_gather_matmul(lhs: jax.Array, rhs: jax.Array, axis_name, *,
+                      gather_dimension: int = 0,
+                      out_dtype=None) -> tuple[jax.Array, jax.Array]:
+  """`all_gather(lhs) @ rhs` with fp32 accumulation; call inside shard_map.
+
+  The mirror image of matmul + reduce-scatter: the column-parallel layers' forward and the
+  row-parallel op's backward (docs/design.md section 1).
+
+  Args:
+    lhs: [m // D, n] (gather_dimension=0) or [m, n // D] (gather_dimension=1).
+    rhs: [n, p].
+    axis_name: the mesh axis to gather over.
+    gather_dimension: the dimension of `lhs` to gather.
+    out_dtype: dtype of the product; defaults to `lhs.dtype`.
+
+  Returns:
+    (`all_gather(lhs) @ rhs` [m, p], the gathered `lhs` [m, n]); the gathered
+    operand is returned so that the caller's second matmul does not gather again.
+  """
+  lhs_full = lax.all_gather(lhs, axis_name, axis=gather_dimension, tiled=True)
+  out = jnp.dot(lhs_full, rhs, preferred_element_type=jnp.float32)
+  return out.astype(out_dtype or lhs.dtype), lhs_full
 
 
 def numpy_reference(xs, ws, scatter_dimension: int = 0) -> np.ndarray:

@@ -2,7 +2,10 @@
 
 A `Case` is a global problem: x [m, k], w [k, n] over `num_devices` devices
 (per device x [m, k_shard], w [k_shard, n]). Tags select subsets: "seed" (the
-16 design shapes at D = 8), "ci" (small CPU cases), model tags ("llama70b",
+16 design shapes at D = 8; the experiments run them at D = the number of visible
+GPUs unless told otherwise), "proxy8" (the 16 seed shapes with k = K / 4 at D = 2:
+each GPU gets the k_shard = K / 8 it would have at D = 8, a D = 8 proxy on two
+GPUs), "ci" (small CPU cases), model tags ("llama70b",
 "mixtral8x22b"), projection tags ("o_proj", "down_proj", "w2"), dtype tags
 ("bf16", "f32"), "awkward" (non-power-of-two n, m = num_devices) and
 "min_tile" (m = num_devices * 64: the smallest shapes the fused kernel takes).
@@ -62,7 +65,7 @@ class Case:
                                num_devices=num_devices)
 
 
-# (model, projection, k, n) from design.md section 3.
+# (model, projection, k, n) of the seed problem (docs/design.md section 2).
 _PROJECTIONS = (
     ("llama70b", "o_proj", 8192, 8192),
     ("llama70b", "down_proj", 28672, 8192),
@@ -74,6 +77,13 @@ _SEED_MS = (512, 2048, 8192, 32768)
 SEED_CASES: tuple[Case, ...] = tuple(
     Case(f"{model}_{proj}_m{m}", m=m, n=n, k=k, num_devices=8,
          tags={"seed", model, proj, "bf16"})
+    for model, proj, k, n in _PROJECTIONS for m in _SEED_MS)
+
+
+# The D = 8 per-GPU GEMM (k_shard = K / 8) on two GPUs: k = K / 4 at D = 2.
+PROXY8_CASES: tuple[Case, ...] = tuple(
+    Case(f"{model}_{proj}_m{m}_proxy8", m=m, n=n, k=k // 4, num_devices=2,
+         tags={"proxy8", model, proj, "bf16"})
     for model, proj, k, n in _PROJECTIONS for m in _SEED_MS)
 
 
@@ -112,7 +122,7 @@ CI_CASES: tuple[Case, ...] = (
 # The four (n, k) pairs of the seed projections, for scaled-down checks of each.
 SEED_NK_PAIRS: tuple[tuple[int, int], ...] = tuple((n, k) for _, _, k, n in _PROJECTIONS)
 
-ALL_CASES: tuple[Case, ...] = SEED_CASES + CI_CASES
+ALL_CASES: tuple[Case, ...] = SEED_CASES + PROXY8_CASES + CI_CASES
 _BY_NAME = {case.name: case for case in ALL_CASES}
 assert len(_BY_NAME) == len(ALL_CASES), "duplicate case names"
 

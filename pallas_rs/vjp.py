@@ -1,4 +1,5 @@
-"""Custom VJP shared by every implementation of matmul + reduce-scatter.
+"""Custom VJP shared by every implementation of matmul + reduce-scatter, and the dispatch of
+the all-gather matmul (its mirror, used by the backward pass).
 
 Forward `y = reduce_scatter(x @ w)` along `scatter_dimension`; with the
 cotangent `dy` of this device's chunk and `dy_full = all_gather(dy)` (the
@@ -9,7 +10,8 @@ cotangent of the full, unscattered product):
 
 `dy` is [m // D, n] for scatter_dimension=0 (gathered along rows) and
 [m, n // D] for scatter_dimension=1 (gathered along columns); the formulas are
-the same once gathered. Residuals are the operands only.
+the same once gathered. Residuals are the operands only. The implementations
+arrive resolved ("xla" | "fused", `pallas_rs.gate`).
 """
 from __future__ import annotations
 
@@ -17,33 +19,62 @@ import functools
 
 import jax
 from jax import lax
+from jax.extend import core as jex_core
+from jax.interpreters import mlir
 import jax.numpy as jnp
 
+from pallas_rs import ag_matmul
+from pallas_rs import gate
+from pallas_rs import platform
 from pallas_rs import reference
 
 
-def all_gather_matmul(lhs: jax.Array, rhs: jax.Array, axis_name, *,
-                      gather_dimension: int = 0,
-                      out_dtype=None) -> tuple[jax.Array, jax.Array]:
-  """`all_gather(lhs) @ rhs` with fp32 accumulation; call inside shard_map.
+def run_all_gather_matmul(lhs, rhs, axis_name, *, gather_dimension: int, out_dtype,
+                          resolved: gate.Resolved) -> tuple[jax.Array, jax.Array]:
+  """(all_gather(lhs) @ rhs, gathered lhs) by the resolved implementation; logs a fallback."""
+  if resolved.reason is not None:
+    platform.log_fallback_once(resolved.reason)
+  if resolved.implementation == "xla":
+    return reference.all_gather_matmul(lhs, rhs, axis_name, gather_dimension=gather_dimension,
+                                       out_dtype=out_dtype)
+  return ag_matmul.fused_all_gather_matmul(lhs, rhs, axis_name, config=resolved.config,
+                                           out_dtype=out_dtype)
 
-  The mirror image of matmul + reduce-scatter, kept separate so that a fused
-  all-gather matmul kernel can replace it.
 
-  Args:
-    lhs: [m // D, n] (gather_dimension=0) or [m, n // D] (gather_dimension=1).
-    rhs: [n, p].
-    axis_name: the mesh axis to gather over.
-    gather_dimension: the dimension of `lhs` to gather.
-    out_dtype: dtype of the product; defaults to `lhs.dtype`.
+_OFF_GPU_MESSAGE = (
+    "pallas_rs: implementation='fused' runs a Mosaic GPU kernel, which needs a Hopper GPU "
+    "(sm_90) and one process; this computation is lowered for another platform. Use "
+    "implementation='auto' (the fused kernel where it is measured to win, else XLA) or "
+    "'xla'.")
 
-  Returns:
-    (`all_gather(lhs) @ rhs` [m, p], the gathered `lhs` [m, n]); the gathered
-    operand is returned so that the caller's second matmul does not gather again.
-  """
-  lhs_full = lax.all_gather(lhs, axis_name, axis=gather_dimension, tiled=True)
-  out = jnp.dot(lhs_full, rhs, preferred_element_type=jnp.float32)
-  return out.astype(out_dtype or lhs.dtype), lhs_full
+# Stands in for the fused kernel on platforms other than CUDA: lowering it raises
+# NotImplementedError in pallas_rs's terms, where lowering the Mosaic GPU kernel for CPU would
+# fail inside Pallas ("Only interpret mode is supported on CPU backend").
+_fused_unavailable_p = jex_core.Primitive("pallas_rs_fused_unavailable")
+
+
+def _unavailable_lowering(ctx, *args):
+  del ctx, args
+  raise NotImplementedError(_OFF_GPU_MESSAGE)
+
+
+# Typed like its operand: a fresh array of the output shape, which like the Pallas call's output
+# varies over no mesh axis (switch branches must have equal output types under check_vma).
+_fused_unavailable_p.def_abstract_eval(lambda placeholder: placeholder)
+mlir.register_lowering(_fused_unavailable_p, _unavailable_lowering)
+
+
+def _fused_forward(x, w, axis_name, config):
+  from pallas_rs import fused  # pylint: disable=g-import-not-at-top  (Mosaic GPU import chain)
+  num_devices = lax.axis_size(axis_name)
+  kernel = functools.partial(fused.fused_matmul_reduce_scatter, axis_name=axis_name,
+                             num_devices=num_devices, config=config)
+  out = jax.ShapeDtypeStruct((x.shape[0] // num_devices, w.shape[1]), x.dtype)
+  # The kernel on CUDA (lowering for CUDA from a CPU machine, jax.export, keeps working);
+  # anywhere else a clear NotImplementedError when the program is lowered.
+  return lax.platform_dependent(
+      x, w, cuda=kernel,
+      default=lambda x, w: _fused_unavailable_p.bind(jnp.zeros(out.shape, out.dtype)))
 
 
 def _forward(x, w, axis_name, scatter_dimension, implementation, config):
@@ -51,12 +82,9 @@ def _forward(x, w, axis_name, scatter_dimension, implementation, config):
     return reference.matmul_reduce_scatter(
         x, w, axis_name=axis_name, scatter_dimension=scatter_dimension)
   if implementation == "fused":
-    from pallas_rs import fused  # pylint: disable=g-import-not-at-top
-    assert scatter_dimension == 0, scatter_dimension  # api.py rejects others.
-    return fused.fused_matmul_reduce_scatter(
-        x, w, axis_name=axis_name, num_devices=lax.axis_size(axis_name),
-        config=config)
-  raise AssertionError(f"unresolved {implementation=}")  # api.py resolves it.
+    assert scatter_dimension == 0, scatter_dimension  # gate.py rejects others.
+    return _fused_forward(x, w, axis_name, config)
+  raise AssertionError(f"unresolved {implementation=}")  # gate.py resolves it.
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
@@ -74,17 +102,16 @@ def _fwd(x, w, axis_name, scatter_dimension, implementation, config):
 def _bwd(axis_name, scatter_dimension, implementation, config, res, dy):
   del config  # The forward's kernel config does not apply to the all-gather matmul.
   x, w = res
+  resolved = gate.Resolved("xla", None, None)
   if implementation == "fused":
     # The forward ran the fused kernel (asked for, or chosen by "auto" from a measurement):
-    # overlap the backward's all-gather matmul too (jax's collective_matmul_mgpu where it
-    # applies, else XLA with the reason logged once). An XLA forward keeps an XLA backward.
-    from pallas_rs import ag_matmul  # pylint: disable=g-import-not-at-top  (ag_matmul -> api -> vjp)
-    dx, dy_full = ag_matmul.all_gather_matmul(
-        dy, w.T, axis_name, gather_dimension=scatter_dimension, out_dtype=x.dtype,
-        implementation="auto")
-  else:
-    dx, dy_full = all_gather_matmul(dy, w.T, axis_name, gather_dimension=scatter_dimension,
-                                    out_dtype=x.dtype)
+    # the backward's all-gather matmul is gated the same way, by its own measurements.
+    resolved = gate.choose_ag_implementation(
+        m_shard=dy.shape[0], k=dy.shape[1], n=w.shape[0], dtype=dy.dtype,
+        out_dtype=x.dtype, num_devices=lax.axis_size(axis_name),
+        gather_dimension=scatter_dimension, implementation="auto")
+  dx, dy_full = run_all_gather_matmul(dy, w.T, axis_name, gather_dimension=scatter_dimension,
+                                      out_dtype=x.dtype, resolved=resolved)
   dw = jnp.dot(x.T, dy_full, preferred_element_type=jnp.float32)
   return dx, dw.astype(w.dtype)
 

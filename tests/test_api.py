@@ -10,7 +10,9 @@ import pytest
 import helpers
 import pallas_rs
 from pallas_rs import config as config_lib
-from pallas_rs import api
+from pallas_rs import api  # pylint: disable=unused-import
+from pallas_rs import gate
+from pallas_rs import platform
 from pallas_rs import reference
 from pallas_rs import shapes
 
@@ -110,12 +112,12 @@ def _call_fn(implementation, scatter_dimension=0):
                            scatter_dimension=scatter_dimension)
 
 
-@pytest.mark.skipif(api._on_hopper(), reason="checks the CPU fallback")
+@pytest.mark.skipif(platform.on_hopper(), reason="checks the CPU fallback")
 def test_auto_on_cpu_uses_xla_and_logs_once_at_info(monkeypatch):
   logged = []
-  monkeypatch.setattr(api.logging, "info", lambda *a: logged.append(("i", a)))
-  monkeypatch.setattr(api.logging, "warning", lambda *a: logged.append(("w", a)))
-  api.reset_fallback_log()
+  monkeypatch.setattr(platform.logging, "info", lambda *a: logged.append(("i", a)))
+  monkeypatch.setattr(platform.logging, "warning", lambda *a: logged.append(("w", a)))
+  platform.reset_fallback_log()
   case = shapes.by_name("ci_min_m_d8")
   mesh = helpers.make_mesh(case.num_devices)
   x, w = helpers.put_operands(helpers.make_inputs(case), mesh)
@@ -138,26 +140,26 @@ def test_auto_on_cpu_uses_xla_and_logs_once_at_info(monkeypatch):
 def test_choose_implementation_on_cpu():
   kw = dict(m=64, k_shard=64, n=128, dtype=jnp.bfloat16, num_devices=8,
             config=None)
-  assert api._choose_implementation(**kw, scatter_dimension=0,
+  assert gate.choose_implementation(**kw, scatter_dimension=0,
                                     implementation="xla") == ("xla", None, None)
-  assert api._choose_implementation(**kw, scatter_dimension=0,
+  assert gate.choose_implementation(**kw, scatter_dimension=0,
                                     implementation="fused") == ("fused", None,
                                                                 None)
-  impl, _, reason = api._choose_implementation(**kw, scatter_dimension=1,
+  impl, _, reason = gate.choose_implementation(**kw, scatter_dimension=1,
                                                implementation="auto")
   assert impl == "xla" and "scatter_dimension=1" in reason
   with pytest.raises(NotImplementedError, match="scatter_dimension=1"):
-    api._choose_implementation(**kw, scatter_dimension=1,
+    gate.choose_implementation(**kw, scatter_dimension=1,
                                implementation="fused")
 
 
 def test_auto_on_hopper_falls_back_once_per_reason(monkeypatch):
   from pallas_rs import fused  # pylint: disable=g-import-not-at-top
-  monkeypatch.setattr(api, "_on_hopper", lambda: True)
+  monkeypatch.setattr(platform, "on_hopper", lambda: True)
   logged = []
-  monkeypatch.setattr(api.logging, "info", lambda *a: logged.append(a))
-  monkeypatch.setattr(api.logging, "warning", lambda *a: logged.append(a))
-  api.reset_fallback_log()
+  monkeypatch.setattr(platform.logging, "info", lambda *a: logged.append(a))
+  monkeypatch.setattr(platform.logging, "warning", lambda *a: logged.append(a))
+  platform.reset_fallback_log()
   reasons = iter(["reason A", "reason A", "reason B"])
 
   def not_supported(**kw):
@@ -168,18 +170,18 @@ def test_auto_on_hopper_falls_back_once_per_reason(monkeypatch):
   kw = dict(m=64, k_shard=64, n=128, dtype=jnp.bfloat16, num_devices=8,
             config=None, scatter_dimension=0, implementation="auto")
   for _ in range(3):
-    impl, _, reason = api._choose_implementation(**kw)
+    impl, _, reason = gate.choose_implementation(**kw)
     assert impl == "xla"
-    api._log_fallback_once(reason)
+    platform.log_fallback_once(reason)
   assert [a[1] for a in logged] == ["reason A", "reason B"]
 
   # A supported shape: with an explicit config "auto" honours it; without one, the tuning
   # table decides, and an unmeasured shape stays on XLA (never claim a win not measured).
   monkeypatch.setattr(fused, "check_supported", lambda **kw: kw.get("config"))
   chosen = config_lib.Config(tile_m=64, tile_n=64)  # fits m // 8 = 128 rows, n = 128
-  assert api._choose_implementation(**dict(kw, m=1024, config=chosen))[:2] == (
+  assert gate.choose_implementation(**dict(kw, m=1024, config=chosen))[:2] == (
       "fused", chosen)
-  impl, _, reason = api._choose_implementation(**kw)
+  impl, _, reason = gate.choose_implementation(**kw)
   assert impl == "xla" and "tuning" in reason
 
   def bad(**kw):
@@ -187,17 +189,19 @@ def test_auto_on_hopper_falls_back_once_per_reason(monkeypatch):
 
   monkeypatch.setattr(fused, "check_supported", bad)
   with pytest.raises(ValueError, match="tile_m=64"):
-    api._choose_implementation(**kw)
+    gate.choose_implementation(**kw)
 
 
 @pytest.mark.parametrize("case_name,errors,match", [
     # Shape the kernel cannot tile: NotImplementedError from
     # pallas_rs.fused.check_supported, before anything is lowered.
     ("ci_min_m_d2", NotImplementedError, None),
-    # Shape the kernel takes: Pallas refuses to lower a Mosaic GPU kernel for
-    # the CPU backend (ValueError "Only interpret mode is supported on CPU
-    # backend"); a runtime failure would be a JaxRuntimeError.
-    ("ci_min_tile_d2", (ValueError, jax.errors.JaxRuntimeError), None),
+    # Shape the kernel takes: lowering for the CPU backend raises
+    # NotImplementedError in pallas_rs's terms (not Pallas's "Only interpret mode
+    # is supported on CPU backend").
+    ("ci_min_tile_d2", NotImplementedError,
+     r"implementation='fused' runs a Mosaic GPU kernel, which needs a Hopper "
+     r"GPU.*implementation='auto'.*'xla'"),
 ])
 def test_fused_call_on_cpu_raises(case_name, errors, match):
   # Running, not lowering: lowering for CUDA from a CPU machine is
@@ -281,3 +285,71 @@ def test_row_parallel_validation(x_shape, w_shape, axis_name, match):
   with pytest.raises(ValueError, match=match):
     pallas_rs.row_parallel_matmul(jnp.zeros(x_shape), jnp.zeros(w_shape),
                                   mesh=mesh, axis_name=axis_name)
+
+
+# --- first-hour errors --------------------------------------------------------
+
+
+@pytest.mark.parametrize("config", [{"tile_m": 64}, "tile_m=64", 64])
+def test_config_must_be_a_config(config):
+  mesh = helpers.make_mesh(4)
+  x, w = jnp.zeros((8, 64), jnp.bfloat16), jnp.zeros((64, 24), jnp.bfloat16)
+  for impl in ("auto", "xla", "fused"):
+    with pytest.raises(TypeError, match=r"config must be a pallas_rs.Config or None"):
+      pallas_rs.row_parallel_matmul(x, w, mesh=mesh, axis_name=AXIS,
+                                    implementation=impl, config=config)
+
+  def body(x, w):
+    return pallas_rs.matmul_reduce_scatter(x, w, axis_name=AXIS, config=config)
+
+  with pytest.raises(TypeError, match=r"config must be a pallas_rs.Config or None"):
+    jax.eval_shape(jax.shard_map(body, mesh=mesh, in_specs=(jax.P(None, AXIS), jax.P(AXIS)),
+                                 out_specs=jax.P(AXIS), check_vma=False), x, w)
+
+
+def test_unknown_keyword_of_row_parallel_matmul():
+  mesh = helpers.make_mesh(4)
+  with pytest.raises(TypeError, match=r"unexpected keyword arguments \['implmentation'\]"):
+    pallas_rs.row_parallel_matmul(jnp.zeros((8, 8)), jnp.zeros((8, 8)), mesh=mesh,
+                                  axis_name=AXIS, implmentation="xla")
+
+
+def test_tuple_axis_name_spanning_two_mesh_axes():
+  mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  case = shapes.custom_case(64, 24, 128, 8, "float32")
+  inputs = helpers.make_inputs(case)
+  for impl in ("xla", "auto"):
+    out = pallas_rs.row_parallel_matmul(inputs.x, inputs.w, mesh=mesh, axis_name=("dp", "tp"),
+                                        implementation=impl)
+    helpers.assert_close(np.asarray(out).reshape(8, 8, 24), helpers.reference_output(inputs),
+                         tol=helpers.forward_tolerance("float32", 8))
+  with pytest.raises(ValueError, match=r"axis_name=\('dp', 'model'\) is not an axis"):
+    pallas_rs.row_parallel_matmul(inputs.x, inputs.w, mesh=mesh, axis_name=("dp", "model"))
+
+
+def test_float64_is_refused():
+  mesh = helpers.make_mesh(4)
+  with jax.enable_x64(True):
+    x, w = jnp.zeros((8, 16), jnp.float64), jnp.zeros((16, 8), jnp.float64)
+    with pytest.raises(ValueError, match=r"float64 is not supported \(accumulation is float32\)"):
+      pallas_rs.row_parallel_matmul(x, w, mesh=mesh, axis_name=AXIS)
+
+
+def test_tuning_reachable_after_import_pallas_rs():
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  code = ("import pallas_rs; print(pallas_rs.tuning.use_table.__name__, "
+          "pallas_rs.tuning.ENV_VAR)")
+  res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       check=False, timeout=120)
+  assert res.stdout.split() == ["use_table", "PALLAS_RS_TUNING_TABLE"], res.stderr[-2000:]
+
+
+def test_fused_on_a_gpu_that_is_not_hopper(monkeypatch):
+  class FakeGpu:
+    platform, device_kind, compute_capability = "gpu", "NVIDIA A100", "8.0"
+  monkeypatch.setattr(jax, "devices", lambda *a: [FakeGpu()])
+  with pytest.raises(NotImplementedError, match=r"needs one process driving Hopper GPUs.*"
+                     r"'NVIDIA A100'.*use implementation='auto' or 'xla'"):
+    gate.choose_implementation(m=1024, k_shard=64, n=256, dtype=jnp.bfloat16, num_devices=8,
+                               scatter_dimension=0, implementation="fused", config=None)

@@ -236,3 +236,34 @@ def test_plot_single_gpu_json(tmp_path):
   assert sorted(p.name for p in written) == [
       "single_gpu_x_local_ratio.png", "single_gpu_x_loopback.png"]
   assert all(p.stat().st_size > 0 for p in written)
+
+
+def test_seed_shapes_run_at_the_visible_device_count(bench):
+  seed = shapes.by_name("llama70b_o_proj_m2048")
+  proxy = shapes.by_name("llama70b_o_proj_m2048_proxy8")
+  ci = shapes.by_name("ci_llama70b_o_proj_d2")
+  for visible in (2, 4, 8):
+    assert bench.devices_for(seed, visible) == visible
+    assert bench.devices_for(proxy, visible) == 2
+    assert bench.devices_for(ci, visible) == 2
+  assert bench.devices_for(seed, 8, override=4) == 4
+  # Labelled with the real D: the renamed case and the record's shape block.
+  case = seed.with_num_devices(bench.devices_for(seed, 2))
+  block = bench.shape_block(case)
+  assert (case.name, block["num_devices"], block["k_shard"]) == (
+      "llama70b_o_proj_m2048_d2", 2, 4096)
+
+
+def test_proxy8_shapes_have_the_d8_k_shard_at_d2():
+  proxies = shapes.select("proxy8")
+  assert len(proxies) == 16
+  by_seed = {c.name: c for c in shapes.SEED_CASES}
+  for p in proxies:
+    seed = by_seed[p.name.removesuffix("_proxy8")]
+    assert p.num_devices == 2 and (p.m, p.n) == (seed.m, seed.n)
+    assert p.k_shard == seed.k // 8 == seed.k_shard
+
+
+def test_proxy8_flag_selects_the_proxies(bench):
+  with flagsaver.flagsaver(tags=["proxy8"]):
+    assert bench.select_cases("multi_gpu") == list(shapes.select("proxy8"))

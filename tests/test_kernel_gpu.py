@@ -1,6 +1,6 @@
 """The fused kernel on one Hopper GPU: loopback (D virtual ranks) and D = 1.
 
-Skipped without a Hopper GPU. Rule (design.md section 2): max relative error vs a float64
+Skipped without a Hopper GPU. Rule (docs/design.md section 2): max relative error vs a float64
 reference at most 1.1x that of the unfused path on the same inputs; the unfused path on one
 GPU is `reference.loopback_matmul_reduce_scatter` (bf16 partials, bf16 running sum).
 """

@@ -132,6 +132,7 @@ def test_every_shipped_table_config_lowers():
 
 def test_multi_axis_mesh_is_not_implemented(monkeypatch):
   from pallas_rs import api  # pylint: disable=g-import-not-at-top
+  from pallas_rs import platform  # pylint: disable=g-import-not-at-top
   mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
   x = jnp.ones((2 * 256, 4 * 64), jnp.bfloat16)
   w = jnp.ones((4 * 64, 256), jnp.bfloat16)
@@ -146,7 +147,7 @@ def test_multi_axis_mesh_is_not_implemented(monkeypatch):
 
   with pytest.raises(NotImplementedError, match="only mesh axis of size > 1"):
     run("fused")
-  monkeypatch.setattr(api, "_on_hopper", lambda: True)
+  monkeypatch.setattr(platform, "on_hopper", lambda: True)
   out = run("auto")  # Falls back to XLA, with the reason logged.
   # Per device [256, 64] @ [64, 256] of ones, summed over the 4 tp devices: 256 everywhere.
   assert out.shape == (2 * 256, 256)

@@ -95,7 +95,7 @@ def test_rates():
 
 
 def test_estimates_match_design_table():
-  # design.md section 3: o_proj M=512 T_comm est. 23.6 us at 311 GB/s.
+  # docs/design.md section 2: o_proj M=512 T_comm est. 23.6 us at 311 GB/s.
   t_comm = metrics.estimate_t_comm(512, 8192, 8, 2)
   assert t_comm * 1e6 == pytest.approx(23.6, abs=0.05)
   # o_proj M=32768: 1510 us.

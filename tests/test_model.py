@@ -31,6 +31,8 @@ import pytest
 import helpers
 from pallas_rs import ag_matmul
 from pallas_rs import api
+from pallas_rs import gate
+from pallas_rs import platform
 from pallas_rs import model
 
 AXIS = helpers.AXIS
@@ -133,16 +135,6 @@ def test_sgd_steps_reduce_the_loss_identically():
   np.testing.assert_allclose(auto, ref, rtol=4 * GRAD_TOL_F32)
 
 
-def test_no_comm_variant_has_the_block_shapes():
-  mesh, params, h = _setup(8)
-  sharded = model.shard_params(params, mesh, AXIS)
-  out = model.make_block_fn(mesh, AXIS, implementation=model.NO_COMM,
-                            **_BLOCK_KW)(sharded, h)
-  assert out.shape == h.shape
-  assert out.sharding.is_equivalent_to(
-      jax.NamedSharding(mesh, P(AXIS, None)), 2)
-
-
 def test_param_validation():
   with pytest.raises(ValueError, match="kv_heads=6 must be divisible"):
     model.init_params(jax.random.key(0), hidden=64, heads=12, kv_heads=6,
@@ -167,23 +159,23 @@ _GATE_KW = dict(m_shard=128, k=1024, n=1280, dtype=jnp.bfloat16,
                 out_dtype=jnp.bfloat16, num_devices=8, gather_dimension=0)
 
 
-@pytest.mark.skipif(api._on_hopper(), reason="checks the CPU fallback")
+@pytest.mark.skipif(platform.on_hopper(), reason="checks the CPU fallback")
 def test_ag_matmul_falls_back_on_cpu_with_reason_logged_once(caplog):
-  impl, config, reason = ag_matmul.choose_implementation(
+  impl, config, reason = gate.choose_ag_implementation(
       **_GATE_KW, implementation="auto")
   assert (impl, config) == ("xla", None)
   assert "Hopper" in reason and "platform='cpu'" in reason, reason
   with pytest.raises(NotImplementedError, match="Hopper"):
-    ag_matmul.choose_implementation(**_GATE_KW, implementation="fused")
+    gate.choose_ag_implementation(**_GATE_KW, implementation="fused")
 
-  api.reset_fallback_log()
+  platform.reset_fallback_log()
   caplog.set_level(logging.INFO, logger="absl")
   mesh = helpers.make_mesh(8)
   lhs = jax.random.normal(jax.random.key(0), (64, 32), jnp.float32)
   rhs = jax.random.normal(jax.random.key(1), (32, 48), jnp.float32)
 
   def body(lhs, rhs):
-    return ag_matmul.all_gather_matmul(lhs, rhs, AXIS)
+    return api.all_gather_matmul(lhs, rhs, AXIS)
 
   run = lambda: jax.jit(jax.shard_map(
       body, mesh=mesh, in_specs=(P(AXIS, None), P()),
@@ -211,13 +203,13 @@ def test_ag_matmul_falls_back_on_cpu_with_reason_logged_once(caplog):
 ])
 def test_ag_matmul_gate_rules_as_if_on_hopper(monkeypatch, change, match):
   # Pretend to be one process driving 8 Hopper GPUs (8 forced CPU devices).
-  monkeypatch.setattr(api, "_on_hopper", lambda: True)
+  monkeypatch.setattr(platform, "on_hopper", lambda: True)
   with pytest.raises(NotImplementedError, match=match):
     ag_matmul.check_supported(**{**_GATE_KW, **change})
 
 
 def test_ag_matmul_gate_accepts_the_llama70b_shapes(monkeypatch):
-  monkeypatch.setattr(api, "_on_hopper", lambda: True)
+  monkeypatch.setattr(platform, "on_hopper", lambda: True)
   # QKV (10 heads x 128 per device), gate/up (2 x 3584), and the row-parallel
   # backward's dx (k_shard = 1024, 3584), at M = 512 (m_shard 64) and 8192.
   for m_shard in (64, 1024):

@@ -12,7 +12,7 @@ SEEDS = shapes.select(tags="seed")
 
 def _tiles(case, d):
   cfg = config_lib.default_config(m=case.m, n=case.n, k_shard=case.k // d, num_devices=d)
-  return config_lib.tiles_per_chunk(cfg, m=case.m, n=case.n, num_devices=d)
+  return (case.m // d // cfg.cta_tile_m) * (case.n // cfg.cta_tile_n)
 
 
 def _check(d, tiles, num_ctas):

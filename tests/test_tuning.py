@@ -1,6 +1,7 @@
 """pallas_rs.tuning: table lookup, heuristic, defaults, overrides, schema (CPU)."""
 import copy
 import dataclasses
+import functools
 import json
 
 import jax
@@ -9,9 +10,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import pytest
 
-from pallas_rs import api
+from pallas_rs import ag_matmul
+from pallas_rs import candidates
 from pallas_rs import config as config_lib
 from pallas_rs import fused
+from pallas_rs import gate
+from pallas_rs import platform
+from pallas_rs import shapes
 from pallas_rs import tuning
 
 H200 = "NVIDIA H200"
@@ -42,7 +47,7 @@ def _table(*entries):
 
 
 def _choose(m, *, d=8, n=N, k_shard=K_SHARD, dtype="bfloat16", gpu_kind=H200, **kw):
-  return tuning.choose(m=m, n=n, k_shard=k_shard, dtype=dtype, num_devices=d,
+  return gate.choose(m=m, n=n, k_shard=k_shard, dtype=dtype, num_devices=d,
                        gpu_kind=gpu_kind, **kw)
 
 
@@ -160,7 +165,7 @@ def test_defaults_and_candidates_valid_within_smem(d):
     dec = _choose(m, d=d, n=n, k_shard=k_shard, table=tuning.empty_table())
     assert dec.config is not None and dec.config.fits_smem(d), (m, n, k_shard, d)
     dec.config.check_shape(m=m, n=n, k_shard=k_shard, num_devices=d)
-    cands = tuning.candidate_configs(m=m, n=n, k_shard=k_shard, num_devices=d,
+    cands = candidates.candidate_configs(m=m, n=n, k_shard=k_shard, num_devices=d,
                                      max_configs=6)
     assert cands[0] == dec.config
     assert len(set(cands)) == len(cands) == 6
@@ -170,7 +175,7 @@ def test_defaults_and_candidates_valid_within_smem(d):
 
 
 def test_candidates_vary_one_field_each_first():
-  cands = tuning.candidate_configs(m=8192, n=N, k_shard=K_SHARD, num_devices=1,
+  cands = candidates.candidate_configs(m=8192, n=N, k_shard=K_SHARD, num_devices=1,
                                    max_configs=6)
   base = cands[0]
   changed = []
@@ -182,13 +187,13 @@ def test_candidates_vary_one_field_each_first():
   assert changed == ["tile_m", "tile_n", "grid_minor_dim", "grid_tile_width",
                      "max_concurrent_steps"]
   # Deterministic and uncapped is the whole (deduplicated) search space.
-  assert tuning.candidate_configs(m=8192, n=N, k_shard=K_SHARD, num_devices=1,
+  assert candidates.candidate_configs(m=8192, n=N, k_shard=K_SHARD, num_devices=1,
                                   max_configs=6) == cands
 
 
 def test_adapt_config_for_loopback():
   cfg = config_lib.Config(tile_m=128, tile_n=128, max_concurrent_steps=4, recv_stages=1)
-  out = tuning.adapt_config(cfg, m=512, n=N, k_shard=K_SHARD, num_devices=8)
+  out = candidates.adapt_config(cfg, m=512, n=N, k_shard=K_SHARD, num_devices=8)
   assert out.tile_m == 64 and out.recv_stages == 2 and out.fits_smem(8)
 
 
@@ -201,7 +206,7 @@ def _export_local(cfg, m, n, k):
 
 @pytest.mark.parametrize("m,n,k_shard", [(512, 8192, 1024), (2048, 6144, 768)])
 def test_default_and_first_candidates_lower_for_cuda_d1(m, n, k_shard):
-  for cfg in tuning.candidate_configs(m=m, n=n, k_shard=k_shard, num_devices=1,
+  for cfg in candidates.candidate_configs(m=m, n=n, k_shard=k_shard, num_devices=1,
                                       max_configs=3):
     exp = _export_local(cfg, m, n, k_shard)
     assert "pallas_rs_local_matmul" in exp.mlir_module()
@@ -342,13 +347,13 @@ def test_use_table_is_scoped_and_nests(tmp_path, monkeypatch):
 
 
 def _auto(m, config=None, d=8):
-  return api._choose_implementation(
+  return gate.choose_implementation(
       m=m, k_shard=K_SHARD, n=N, dtype=jnp.bfloat16, num_devices=d,
       scatter_dimension=0, implementation="auto", config=config)
 
 
 def test_api_auto_consults_table(monkeypatch):
-  monkeypatch.setattr(api, "_on_hopper", lambda: True)
+  monkeypatch.setattr(platform, "on_hopper", lambda: True)
   kind = jax.devices()[0].device_kind
   cfg = config_lib.Config(tile_m=64, tile_n=128, max_concurrent_steps=3)
   with tuning.use_table(_table(_entry(4096, cfg=cfg, gpu_kind=kind),
@@ -370,7 +375,90 @@ def test_api_auto_consults_table(monkeypatch):
 
 
 def test_api_auto_off_hopper_ignores_table(monkeypatch):
-  monkeypatch.setattr(api, "_on_hopper", lambda: False)
+  monkeypatch.setattr(platform, "on_hopper", lambda: False)
   with tuning.use_table(_table(_entry(4096, gpu_kind=jax.devices()[0].device_kind))):
     impl, _, reason = _auto(4096)
   assert impl == "xla" and "Hopper" in reason
+
+
+# ---------------------------------------------------------------------------
+# The all-gather matmul's entries (op "ag_matmul") and its gate.
+# ---------------------------------------------------------------------------
+
+_AG = dict(m_shard=128, k=1024, n=1280, dtype=jnp.bfloat16, out_dtype=jnp.bfloat16,
+           num_devices=8, gather_dimension=0)
+
+
+def _ag_entry(implementation, *, gpu_kind, cfg=None):
+  entry = _entry(_AG["m_shard"] * 8, implementation, n=_AG["n"], k_shard=_AG["k"],
+                 gpu_kind=gpu_kind, cfg=None)
+  entry["config"] = None if cfg is None else ag_matmul.config_to_json(cfg)
+  entry["op"] = "ag_matmul"
+  return entry
+
+
+def test_old_entries_are_matmul_rs_and_ops_are_distinct():
+  table = _table(_entry(1024))
+  tuning.validate_table(table)                     # no "op": loads as before
+  assert tuning.entry_op(table["entries"][0]) == "matmul_rs"
+  both = _table(_entry(1024), dict(_entry(1024, "xla"), op="ag_matmul"))
+  tuning.validate_table(both)                      # same key, different op: no duplicate
+  with pytest.raises(ValueError, match=r"op='nccl' must be one of"):
+    tuning.validate_table(_table(dict(_entry(1024), op="nccl")))
+  with pytest.raises(ValueError, match=r"unknown all-gather matmul config fields .*'recv_stages'"):
+    tuning.validate_table(_table(dict(_entry(1024), op="ag_matmul")))
+
+
+def test_ag_config_round_trip():
+  cfg = ag_matmul.default_config(128, 1280)
+  assert ag_matmul.config_from_json(json.loads(json.dumps(ag_matmul.config_to_json(cfg)))) == cfg
+
+
+def test_ag_auto_is_xla_unless_the_table_says_fused(monkeypatch):
+  monkeypatch.setattr(platform, "on_hopper", lambda: True)
+  kind = jax.devices()[0].device_kind
+  choose = functools.partial(gate.choose_ag_implementation, **_AG, implementation="auto")
+  impl, config, reason = choose(table=tuning.empty_table())
+  assert (impl, config) == ("xla", None) and "tuning (default)" in reason
+  assert reason.startswith("all_gather_matmul: ")
+  # A matmul_rs entry of the same key does not gate the all-gather matmul.
+  assert choose(table=_table(dict(_ag_entry("fused", gpu_kind=kind), op="matmul_rs",
+                                  config=tuning.config_to_json(config_lib.Config())))
+                )[0] == "xla"
+  impl, config, _ = choose(table=_table(_ag_entry("fused", gpu_kind=kind)))
+  assert impl == "fused" and config == ag_matmul.default_config(128, 1280)
+  impl, _, reason = choose(table=_table(_ag_entry("xla", gpu_kind=kind)))
+  assert impl == "xla" and "tuning (table)" in reason
+  # Another GPU kind's measurement does not apply here.
+  assert choose(table=_table(_ag_entry("fused", gpu_kind="NVIDIA B200")))[0] == "xla"
+  # An explicit "fused" needs no measurement.
+  assert gate.choose_ag_implementation(**_AG, implementation="fused",
+                                       table=tuning.empty_table())[0] == "fused"
+
+
+def test_autotune_writes_ag_entries_the_gate_reads(monkeypatch):
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  from pathlib import Path  # pylint: disable=g-import-not-at-top
+  path = Path(__file__).resolve().parents[1] / "experiments" / "autotune.py"
+  spec = importlib.util.spec_from_file_location("autotune_for_test", path)
+  autotune = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(autotune)
+  autotune.FLAGS(["autotune", "--op=ag_matmul", "--mode=multi_gpu"])
+  case = dataclasses.replace(shapes.by_name("llama70b_o_proj_m512"), m=1024, n=1024)
+  prob = autotune.ag_problem(case, 8)
+  assert prob == {"m_shard": 128, "k": 1024, "n": 1024}
+  cfg = ag_matmul.default_config(prob["m_shard"], prob["n"])
+  kind = jax.devices()[0].device_kind
+  best = {"median_us": 9.0, "times_us": [9.0], "config": ag_matmul.config_to_json(cfg)}
+  xla = {"median_us": 10.0, "times_us": [10.0]}
+  entry = autotune._gate_entry(gpu_kind=kind, d=8, m=1024, n=prob["n"], k_shard=prob["k"],
+                               best=best, xla=xla, env={}, mode="multi_gpu",
+                               measured_with="test", op="ag_matmul")
+  table = _table(entry)
+  tuning.validate_table(table)
+  monkeypatch.setattr(platform, "on_hopper", lambda: True)
+  impl, config, _ = gate.choose_ag_implementation(
+      m_shard=prob["m_shard"], k=prob["k"], n=prob["n"], dtype=jnp.bfloat16,
+      out_dtype=jnp.bfloat16, num_devices=8, gather_dimension=0, implementation="auto",
+      table=table)
+  assert (impl, config) == ("fused", cfg)

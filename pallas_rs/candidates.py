@@ -1,0 +1,99 @@
+"""Candidate kernel configs for the tuner (experiments/autotune.py), likeliest winners first.
+
+`candidate_configs` orders `config.search_space` for diversity around `config.default_config`;
+`adapt_config` carries a config measured at one D to another (the loopback entries).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from pallas_rs import config as config_lib
+
+Config = config_lib.Config
+
+# Fields varied one at a time around the default, in this priority order; each
+# value list is ordered nearest-first.
+_VARIANT_FIELDS = ("comm_ctas", "tile_m", "tile_n", "grid_minor_dim", "grid_tile_width",
+                   "max_concurrent_steps", "recv_stages", "eager_signal_steps")
+# Fields that change nothing at D = 1 (no receive buffers, no signals).
+_MULTI_DEVICE_FIELDS = ("comm_ctas", "recv_stages", "eager_signal_steps")
+
+
+def candidate_configs(*, m: int, n: int, k_shard: int, num_devices: int,
+                      max_configs: int | None = None,
+                      num_sms: int = config_lib.DEFAULT_NUM_SMS) -> list[Config]:
+  """`default_config` first, then `config.search_space` ordered for diversity.
+
+  Deterministic. After the default come configs differing from it in one field
+  (tile_m, then tile_n, grid_minor_dim, grid_tile_width, max_concurrent_steps,
+  recv_stages, eager_signal_steps: one variant of each field before a second of any), then two
+  fields, and so on; so the first few cover every axis once. Every config is
+  valid for the shape and within the SMEM limit. Empty if the kernel cannot
+  take the shape.
+  """
+  try:
+    default = config_lib.default_config(m=m, n=n, k_shard=k_shard,
+                                        num_devices=num_devices, num_sms=num_sms)
+  except NotImplementedError:
+    return []
+  space = list(config_lib.search_space(m=m, n=n, k_shard=k_shard,
+                                       num_devices=num_devices, num_sms=num_sms))
+  fields = [f for f in _VARIANT_FIELDS
+            if not (f in _MULTI_DEVICE_FIELDS and num_devices == 1)]
+  if num_devices == 1:
+    # recv_stages allocates nothing at D = 1: configs differing only in it are
+    # the same kernel, so take the default's value.
+    space = [dataclasses.replace(c, recv_stages=default.recv_stages) for c in space]
+
+  def diff(cfg):
+    return [f for f in fields if getattr(cfg, f) != getattr(default, f)]
+
+  def distance(cfg, f):
+    a, b = int(getattr(cfg, f)), int(getattr(default, f))
+    return abs(math.log2(a / b)) if a > 0 and b > 0 else 1.0
+
+  # rank[f][value]: 0 for the default's value, then nearest values first.
+  rank = {}
+  for f in fields:
+    values = sorted({int(getattr(c, f)) for c in space} | {int(getattr(default, f))},
+                    key=lambda v, f=f: (v != int(getattr(default, f)),
+                                        distance(dataclasses.replace(default, **{f: v}), f)
+                                        if f != "grid_minor_dim" else 0, v))
+    rank[f] = {v: i for i, v in enumerate(values)}
+
+  def sort_key(cfg):
+    d = diff(cfg)
+    # Fewer changed fields first; among those, nearer values (so one variant of
+    # every field comes before a second variant of any), then field priority.
+    return (len(d), sum(rank[f][int(getattr(cfg, f))] for f in d),
+            tuple(fields.index(f) for f in d),
+            tuple(int(getattr(cfg, f)) for f in fields))
+
+  ordered = [default]
+  seen = {default}
+  for cfg in sorted(space, key=sort_key):
+    if cfg not in seen:
+      seen.add(cfg)
+      ordered.append(cfg)
+  if max_configs is not None and max_configs > 0:
+    ordered = ordered[:max_configs]
+  return ordered
+
+
+def adapt_config(cfg: Config, *, m: int, n: int, k_shard: int,
+                 num_devices: int) -> Config | None:
+  """`cfg` made to fit another D: recv_stages for D > 1, tile_m for the chunk,
+  fewer pipeline stages for SMEM. None if it still does not fit."""
+  cand = cfg
+  if num_devices > 1 and cand.recv_stages < 2:
+    cand = dataclasses.replace(cand, recv_stages=2)
+  if (m // num_devices) % cand.tile_m:
+    cand = dataclasses.replace(cand, tile_m=64)
+  while not cand.fits_smem(num_devices) and cand.max_concurrent_steps > 2:
+    cand = dataclasses.replace(cand, max_concurrent_steps=cand.max_concurrent_steps - 1)
+  try:
+    cand.check_shape(m=m, n=n, k_shard=k_shard, num_devices=num_devices)
+  except NotImplementedError:
+    return None
+  return cand
