@@ -229,7 +229,8 @@ def loopback_fn(d, cfgs):
       ref = _f32_ref(x, w).reshape(d, p["chunk"], p["n"])
       return _device_stats(outs, unfused, ref)
     return lax.map(one, seeds)
-  return jax.jit(run)
+  dev = jax.devices()[0]
+  return jax.jit(run), lambda a: jax.device_put(a, dev)
 
 
 def multi_gpu_fn(d, cfgs):
@@ -238,6 +239,7 @@ def multi_gpu_fn(d, cfgs):
   import jax  # pylint: disable=g-import-not-at-top
   from jax import lax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
   from pallas_rs import fused  # pylint: disable=g-import-not-at-top
   p = problem(d)
@@ -255,9 +257,14 @@ def multi_gpu_fn(d, cfgs):
       wl = lax.dynamic_slice_in_dim(w, r * p["k_shard"], p["k_shard"], axis=0)
       outs = [fused.fused_matmul_reduce_scatter(xl, wl, axis_name=AXIS, num_devices=d, config=c)
               for c in cfgs]
-      unfused = lax.psum_scatter(
-          jnp.dot(xl, wl, preferred_element_type=jnp.float32).astype(xl.dtype), AXIS,
-          scatter_dimension=0, tiled=True)
+      # optimization_barrier pins the bf16 values at both ends of the collective: without it
+      # XLA (seen on CPU) may drop the rounding of the partials once the result is converted to
+      # f32 below (excess precision), measuring a more accurate path than users run.
+      # --what=baseline checks the user's own program against the emulation.
+      part = lax.optimization_barrier(
+          jnp.dot(xl, wl, preferred_element_type=jnp.float32).astype(xl.dtype))
+      unfused = lax.optimization_barrier(
+          lax.psum_scatter(part, AXIS, scatter_dimension=0, tiled=True))
       ref = lax.dynamic_slice_in_dim(_f32_ref(x, w), r * p["chunk"], p["chunk"], axis=0)
       return lax.pmax(_device_stats(outs, unfused, ref), AXIS)
     return lax.map(one, seeds)
@@ -266,41 +273,50 @@ def multi_gpu_fn(d, cfgs):
 
   def run(seeds, fam, base):
     return f(seeds, jnp.reshape(fam, (1,)), jnp.reshape(base, (1,)))
-  return jax.jit(run)
+  replicated = NamedSharding(mesh, P())
+  return jax.jit(run), lambda a: jax.device_put(a, replicated)
 
 
 def device_cases(mode, d, families, pds, num_inputs, budget):
-  """Rows of every (family, pd) at this D; one compile for all pds, or one per pd on failure."""
+  """Rows of every (family, pd) at this D; one compile for all pds, or one per pd on failure.
+
+  The arguments are placed explicitly (one GPU, or replicated over the mesh) so that the
+  ahead-of-time compiled executable is called with the shardings it was compiled for.
+  """
   import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as onp  # pylint: disable=g-import-not-at-top,reimported
   make = loopback_fn if mode == "loopback" else multi_gpu_fn
-  seeds = jnp.arange(num_inputs, dtype=jnp.int32)
-  args = lambda fam: (seeds, jnp.int32(numerics.FAMILIES.index(fam)), jnp.int32(_SEED.value))
+
+  def args(place, fam):
+    return (place(onp.arange(num_inputs, dtype=onp.int32)),
+            place(onp.int32(numerics.FAMILIES.index(fam))), place(onp.int32(_SEED.value)))
+
+  def build(group_pds):
+    fn, place = make(d, [make_config(d, pd) for pd in group_pds])
+    return fn.lower(*args(place, families[0])).compile(), place
+
   groups, rows = [], []
   t = time.time()
   try:
-    cfgs = [make_config(d, pd) for pd in pds]
-    compiled = make(d, cfgs).lower(*args(families[0])).compile()
-    groups.append((list(pds), compiled))
+    groups.append((list(pds), *build(pds)))
   except Exception:  # pylint: disable=broad-except
     print(f"[{mode} D={d}] joint compile failed, compiling per partial dtype:\n"
           f"{traceback.format_exc()[-3000:]}", flush=True)
     for pd in pds:
       try:
-        compiled = make(d, [make_config(d, pd)]).lower(*args(families[0])).compile()
-        groups.append(([pd], compiled))
+        groups.append(([pd], *build([pd])))
       except Exception as e:  # pylint: disable=broad-except
         rows += [_error_row(mode, d, fam, pd, e) for fam in families]
   compile_s = round(time.time() - t, 2)
   for fam in families:
-    for group_pds, compiled in groups:
+    for group_pds, compiled, place in groups:
       if budget.exceeded():
         rows += [dict(_error_row(mode, d, fam, pd, RuntimeError("skipped")), skipped=True)
                  for pd in group_pds]
         continue
       t = time.time()
       try:
-        out = jax.device_get(compiled(*args(fam)))
+        out = jax.device_get(compiled(*args(place, fam)))
         seconds = round(time.time() - t, 3)
         stats = _errors_from_numerators(out, group_pds)
         rows += _case_rows(mode, d, fam, group_pds, stats, np.arange(num_inputs),
@@ -308,6 +324,8 @@ def device_cases(mode, d, families, pds, num_inputs, budget):
       except Exception as e:  # pylint: disable=broad-except
         print(traceback.format_exc()[-3000:], flush=True)
         rows += [_error_row(mode, d, fam, pd, e, round(time.time() - t, 3)) for pd in group_pds]
+      print(f"[{mode} D={d} {fam}] {round(time.time() - t, 2)} s (compile {compile_s} s)",
+            flush=True)
   return rows
 
 

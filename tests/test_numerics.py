@@ -433,7 +433,7 @@ def owner_sum(parts, r, d, pd):  # parts [D, m, n] f32 -> chunk r
   for j in range(d - 1):
     p = blk((r - j - 1) % d)
     acc = acc + (rnd(p) if pd == "bfloat16" else p)
-  return acc.astype(jnp.bfloat16)
+  return rnd(acc).astype(jnp.bfloat16)  # rnd: XLA may not elide the rounding (excess precision)
 
 def loopback(xs, ws, *, config=None, ablate=()):
   d = xs.shape[0]
@@ -466,6 +466,7 @@ def test_script_device_modes_with_stand_in_kernel(tmp_path):
   for c in cases:
     assert "error" not in c, c
     assert CASE_FIELDS <= set(c) and c["num_inputs"] == 4
+    assert c["median"] > 0.2  # a real bf16 rounding error on both sides
     if c["partial_dtype"] == "float32":
       assert c["max"] <= nm.RULE_BOUND
       assert c["frac_inputs_error_differs_from_bfloat16"] > 0
