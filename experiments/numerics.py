@@ -203,10 +203,13 @@ def _device_stats(fused_outs, unfused, ref):
 
 
 def _f32_ref(x, w):
+  """fp32 reference of bf16 x @ w. reduce_precision keeps the operands' bf16 values even where
+  XLA elides a convert pair (excess precision; family_inputs rounds the same way at the source)."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  return jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32),
-                 precision=jax.lax.Precision.HIGHEST)
+  rnd = lambda v: jax.lax.reduce_precision(v.astype(jnp.float32), exponent_bits=8,
+                                           mantissa_bits=7)
+  return jnp.dot(rnd(x), rnd(w), precision=jax.lax.Precision.HIGHEST)
 
 
 def loopback_fn(d, cfgs):
@@ -243,7 +246,7 @@ def multi_gpu_fn(d, cfgs):
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
   from pallas_rs import fused  # pylint: disable=g-import-not-at-top
   p = problem(d)
-  mesh = jax.make_mesh((d,), (AXIS,), devices=jax.devices()[:d])
+  mesh = _mesh(d)
 
   def body(seeds, fam, base):
     key = jax.random.key(base[0])
@@ -257,24 +260,54 @@ def multi_gpu_fn(d, cfgs):
       wl = lax.dynamic_slice_in_dim(w, r * p["k_shard"], p["k_shard"], axis=0)
       outs = [fused.fused_matmul_reduce_scatter(xl, wl, axis_name=AXIS, num_devices=d, config=c)
               for c in cfgs]
-      # optimization_barrier pins the bf16 values at both ends of the collective: without it
-      # XLA (seen on CPU) may drop the rounding of the partials once the result is converted to
-      # f32 below (excess precision), measuring a more accurate path than users run.
-      # --what=baseline checks the user's own program against the emulation.
+      # optimization_barrier keeps the bf16 values at both ends of the collective as a user's
+      # program has them (no fusion of the f32 error computation into the reduce-scatter).
       part = lax.optimization_barrier(
           jnp.dot(xl, wl, preferred_element_type=jnp.float32).astype(xl.dtype))
       unfused = lax.optimization_barrier(
           lax.psum_scatter(part, AXIS, scatter_dimension=0, tiled=True))
       ref = lax.dynamic_slice_in_dim(_f32_ref(x, w), r * p["chunk"], p["chunk"], axis=0)
-      return lax.pmax(_device_stats(outs, unfused, ref), AXIS)
+      return lax.pmax(_device_stats(outs, unfused, ref), AXIS), unfused
     return lax.map(one, seeds)
 
-  f = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P()), out_specs=P(), check_vma=False)
+  # The unfused outputs also come back (materialised bf16, as a user's program gets them):
+  # unfused_errors_fn recomputes their error in a separate program, and the rows record on how
+  # many inputs the in-loop error differed (nonzero: XLA rewrote the unfused arithmetic inside
+  # the measuring loop; the separate program's figure is the one used).
+  f = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P()),
+                    out_specs=(P(), P(None, AXIS, None)), check_vma=False)
 
   def run(seeds, fam, base):
     return f(seeds, jnp.reshape(fam, (1,)), jnp.reshape(base, (1,)))
   replicated = NamedSharding(mesh, P())
   return jax.jit(run), lambda a: jax.device_put(a, replicated)
+
+
+def _mesh(d: int):
+  """1-D mesh over the first d devices, Auto axis type (its arrays move freely to one device)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  return jax.make_mesh((d,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=jax.devices()[:d])
+
+
+@functools.lru_cache(maxsize=None)
+def unfused_errors_fn(d):
+  """jit(unfused [B, m, n] bf16, seeds, family, base) -> [B] max|unfused - ref| on one device."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax import lax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  p = problem(d)
+
+  def run(unfused, seeds, fam, base):
+    key = jax.random.key(base)
+
+    def one(args):
+      seed, u = args
+      x, w = numerics.family_inputs(jax.random.fold_in(key, seed), fam, m=p["m"], k=p["k"],
+                                    n=p["n"])
+      return jnp.max(jnp.abs(u.astype(jnp.float32) - _f32_ref(x, w)))
+    return lax.map(one, (seeds, unfused))
+  return jax.jit(run)
 
 
 def device_cases(mode, d, families, pds, num_inputs, budget):
@@ -316,11 +349,24 @@ def device_cases(mode, d, families, pds, num_inputs, budget):
         continue
       t = time.time()
       try:
-        out = jax.device_get(compiled(*args(place, fam)))
+        out = compiled(*args(place, fam))
+        extra = dict(compile_seconds=compile_s)
+        if mode == "multi_gpu":
+          out, unfused = out
+          dev0 = lambda a: jax.device_put(a, jax.devices()[0])
+          num = np.asarray(jax.device_get(unfused_errors_fn(d)(
+              dev0(unfused), *(dev0(a) for a in args(lambda a: a, fam)))), np.float64)
+          out = np.array(jax.device_get(out), np.float64)
+          # Inputs where the in-loop unfused error differs from the materialised output's:
+          # nonzero means XLA rewrote the unfused arithmetic inside the measuring loop.
+          extra["frac_inputs_unfused_error_rewritten_in_loop"] = float(
+              np.mean(num != out[:, 0].astype(np.float32)))
+          out[:, 0] = num
+        out = jax.device_get(out)
         seconds = round(time.time() - t, 3)
         stats = _errors_from_numerators(out, group_pds)
         rows += _case_rows(mode, d, fam, group_pds, stats, np.arange(num_inputs),
-                           seconds=seconds, extra=dict(compile_seconds=compile_s))
+                           seconds=seconds, extra=extra)
       except Exception as e:  # pylint: disable=broad-except
         print(traceback.format_exc()[-3000:], flush=True)
         rows += [_error_row(mode, d, fam, pd, e, round(time.time() - t, 3)) for pd in group_pds]
@@ -377,7 +423,7 @@ def baseline_multi_gpu(d, families, pds, out_path: Path) -> dict:
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
   from pallas_rs import fused  # pylint: disable=g-import-not-at-top
   p = problem(d)
-  mesh = jax.make_mesh((d,), (AXIS,), devices=jax.devices()[:d])
+  mesh = _mesh(d)
   specs = dict(mesh=mesh, in_specs=(P(None, AXIS), P(AXIS, None)), check_vma=False)
 
   def user(x, w):  # Exactly what users write (reference.matmul_reduce_scatter).

@@ -316,7 +316,11 @@ def family_inputs(key, family, *, m: int, k: int, n: int):
     w = w_branches[FAMILIES.index(family)](kw)
   else:
     w = jax.lax.switch(family, w_branches, kw)
-  return x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+  # Round with reduce_precision before the cast: XLA (excess precision, on by default) may elide
+  # a later convert(convert(v, bf16), f32) pair, e.g. in an fp32 reference computed from these
+  # inputs, and would then see the unrounded fp32 values; rounded values survive that.
+  rnd = lambda v: jax.lax.reduce_precision(v, exponent_bits=8, mantissa_bits=7)
+  return rnd(x).astype(jnp.bfloat16), rnd(w).astype(jnp.bfloat16)
 
 
 def split_inputs(x, w, num_devices: int):

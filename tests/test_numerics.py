@@ -470,6 +470,13 @@ def test_script_device_modes_with_stand_in_kernel(tmp_path):
     if c["partial_dtype"] == "float32":
       assert c["max"] <= nm.RULE_BOUND
       assert c["frac_inputs_error_differs_from_bfloat16"] > 0
+  by_key = {(c["mode"], c["d"], c["family"], c["partial_dtype"]): c for c in cases}
+  for (mode, d, fam, pd), c in by_key.items():
+    if mode == "multi_gpu":  # Same inputs and arithmetic as loopback at D = 2.
+      lb = by_key[("loopback", d, fam, pd)]
+      assert (c["max"], c["median"], c["worst_seed"]) == (lb["max"], lb["median"],
+                                                          lb["worst_seed"])
+      assert c["frac_inputs_unfused_error_rewritten_in_loop"] == 0.0
   base = result["baseline"]
   mg = base["multi_gpu"]
   assert Path(mg["hlo"]["user"]["hlo_file"]).exists()
