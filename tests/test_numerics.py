@@ -485,6 +485,8 @@ def test_script_device_modes_with_stand_in_kernel(tmp_path):
   assert row["user_equals_with_partials"] == 1.0
   assert set(row["user_vs_emulation"]) == {"ring/bfloat16", "source/bfloat16", "ring/promoted",
                                            "source/promoted"}
+  assert "ring/bfloat16" in mg["user_program_bit_exact_with"]  # D = 2: one bf16 add
+  assert "source/bfloat16" in base["loopback"][0]["xla_emulation_bit_exact_with"]
   for pd in ("bfloat16", "float32"):  # The stand-in is the emulated arithmetic.
     assert row["fused_kernel"][pd]["vs_fused_emulation"][pd] == 1.0
   for lb in base["loopback"]:
