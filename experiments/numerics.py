@@ -22,9 +22,12 @@ jax.random.fold_in(jax.random.key(--seed), i), family, m=m, k=k_shard*D, n=n)); 
 case are one lax.map inside one jit (compiled once per D, all partial dtypes in the same loop on
 the same inputs), and only per-input error numbers come back.
 
-GPU (one command, all parts; ~1-3 min on 2 x H200):
+GPU (one command, all parts, the baseline first; expected 1-3 min on 2 x H200, --num_inputs
+shrinks it; --time_budget_s skips, and records as skipped, sweep cases started after that time):
   NCCL_NVLS_ENABLE=0 PYTHONPATH=. python experiments/numerics.py \
-      --mode=loopback,multi_gpu --what=sweep,baseline
+      --mode=loopback,multi_gpu --what=baseline,sweep --time_budget_s=200 \
+      --out=experiments/results/$(date +%F)_h200x2_numerics.json
+The exit code is 1 if any case failed to run (not if a ratio exceeds 1.1: that is the finding).
 CPU:
   PYTHONPATH=. python experiments/numerics.py --mode=emulate --num_inputs=200 --shape=128,256,256
 """
@@ -645,7 +648,8 @@ def main(argv):
       mode_ds = ds if mode != "multi_gpu" else [multi_d]
       for d in mode_ds:
         if mode == "multi_gpu" and d < 2:
-          result["cases"].append(dict(mode=mode, d=d, error="multi_gpu needs >= 2 devices"))
+          result["cases"] += [_error_row(mode, d, fam, pd, RuntimeError(
+              "multi_gpu needs >= 2 visible devices")) for fam in fams for pd in pds]
           continue
         if mode == "emulate":
           for fam in fams:
