@@ -8,7 +8,8 @@ the ratio over many inputs per case (mode, D, input family, partial_dtype):
                     from fp32 partials computed with numpy; reference = float64 sum of the partials.
   --mode=loopback   one GPU: pallas_rs.fused.loopback_matmul_reduce_scatter (D virtual ranks) vs
                     pallas_rs.reference.loopback_matmul_reduce_scatter (the bf16-faithful XLA
-                    emulation of the unfused path, source order), fp32 HIGHEST reference.
+                    emulation of the unfused path, source order; rows also give the ratio
+                    against the same emulation in NCCL's ring order), fp32 HIGHEST reference.
   --mode=multi_gpu  D = visible GPUs (largest power of two <= 8), under jax.shard_map: fused
                     vs the real unfused path (jnp.dot then a bf16 lax.psum_scatter over NCCL).
   --what=baseline   (GPU modes) what the unfused path computes: bit-compares XLA's real
@@ -188,21 +189,45 @@ def emulate_case(d, family, pds, num_inputs):
 
 
 def _errors_from_numerators(out: np.ndarray, pds) -> dict:
-  """out [B, 2 + P]: max|unfused - ref|, max|ref|, max|fused_pd - ref| per pd (on device)."""
+  """out [B, 2 + P (+ 1)]: max|unfused - ref|, max|ref|, max|fused_pd - ref| per pd, and in
+  loopback max|ring-order unfused - ref| (on device)."""
   out = np.asarray(out, np.float64)
   den = out[:, 1]
   safe = np.where(den > 0, den, 1.0)
   stats = {"err_unfused": out[:, 0] / safe}
   for i, pd in enumerate(pds):
     stats[f"err_fused_{pd}"] = out[:, 2 + i] / safe
+  if out.shape[1] > 2 + len(pds):
+    stats["err_unfused_ring"] = out[:, 2 + len(pds)] / safe
   return stats
 
 
-def _device_stats(fused_outs, unfused, ref):
+def _device_stats(fused_outs, unfused, ref, more_unfused=()):
+  """[max|unfused - ref|, max|ref|, max|fused_i - ref| ..., max|more_unfused_j - ref| ...]."""
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   f32 = jnp.float32
   err = lambda o: jnp.max(jnp.abs(o.astype(f32) - ref))
-  return jnp.stack([err(unfused), jnp.max(jnp.abs(ref))] + [err(o) for o in fused_outs])
+  return jnp.stack([err(unfused), jnp.max(jnp.abs(ref))] + [err(o) for o in fused_outs]
+                   + [err(o) for o in more_unfused])
+
+
+def xla_unfused_ring(xs, ws):
+  """Like reference.loopback_matmul_reduce_scatter, in NCCL's ring order (identity ring):
+  chunk c adds sources c+1, c+2, ..., c (numerics.add_order(c, D, "ring")), rounding each add."""
+  from jax import lax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  d, m, _ = xs.shape
+  rnd = lambda v: lax.reduce_precision(v, exponent_bits=8, mantissa_bits=7)
+  parts = rnd(jnp.einsum("dmk,dkn->dmn", xs, ws, preferred_element_type=jnp.float32))
+  parts = parts.reshape(d, d, m // d, -1)  # [src, dst, m // D, n]
+  out = []
+  for c in range(d):
+    srcs = numerics.add_order(c, d, "ring")
+    acc = parts[srcs[0], c]
+    for src in srcs[1:]:
+      acc = rnd(acc + parts[src, c])
+    out.append(acc)
+  return jnp.stack(out).astype(xs.dtype)
 
 
 def _f32_ref(x, w):
@@ -233,7 +258,7 @@ def loopback_fn(d, cfgs):
       outs = [fused.loopback_matmul_reduce_scatter(xs, ws, config=c) for c in cfgs]
       unfused = reference.loopback_matmul_reduce_scatter(xs, ws)
       ref = _f32_ref(x, w).reshape(d, p["chunk"], p["n"])
-      return _device_stats(outs, unfused, ref)
+      return _device_stats(outs, unfused, ref, [xla_unfused_ring(xs, ws)])
     return lax.map(one, seeds)
   dev = jax.devices()[0]
   return jax.jit(run), lambda a: jax.device_put(a, dev)
@@ -368,8 +393,15 @@ def device_cases(mode, d, families, pds, num_inputs, budget):
         out = jax.device_get(out)
         seconds = round(time.time() - t, 3)
         stats = _errors_from_numerators(out, group_pds)
-        rows += _case_rows(mode, d, fam, group_pds, stats, np.arange(num_inputs),
-                           seconds=seconds, extra=extra)
+        new_rows = _case_rows(mode, d, fam, group_pds, stats, np.arange(num_inputs),
+                              seconds=seconds, extra=extra)
+        if "err_unfused_ring" in stats:  # loopback: the unfused sum in NCCL's ring order too
+          for row in new_rows:
+            r = numerics.ratio_summary(stats[f"err_fused_{row['partial_dtype']}"],
+                                       stats["err_unfused_ring"])
+            row["vs_ring_order"] = {k: r[k] for k in ("max", "p99", "median", "num_over_bound",
+                                                      "worst_seed")}
+        rows += new_rows
       except Exception as e:  # pylint: disable=broad-except
         print(traceback.format_exc()[-3000:], flush=True)
         rows += [_error_row(mode, d, fam, pd, e, round(time.time() - t, 3)) for pd in group_pds]
@@ -664,8 +696,8 @@ def main(argv):
             src = numerics.ratio_summary
             for row in rows:  # The same fused outputs against the source-order unfused sum.
               s = src(stats[f"err_fused_{row['partial_dtype']}"], stats["err_unfused_source"])
-              row["vs_source_order"] = dict(max=s["max"], p99=s["p99"], median=s["median"],
-                                            num_over_bound=s["num_over_bound"])
+              row["vs_source_order"] = {k: s[k] for k in ("max", "p99", "median",
+                                                          "num_over_bound", "worst_seed")}
             result["cases"] += rows
             print(f"[emulate D={d} {fam}] {rows[0]['seconds']} s", flush=True)
         else:

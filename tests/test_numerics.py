@@ -16,6 +16,8 @@ No such bound exists for bf16 partials: at D = 2 the ratio exceeds 1.1 on a few 
 (pinned seeds below).
 """
 from fractions import Fraction
+import functools
+import importlib.util
 import json
 import math
 import os
@@ -214,6 +216,27 @@ def test_source_order_matches_the_xla_loopback_baseline(d):
   if d > 2:  # NCCL's ring order is a different sum.
     ring = nm.unfused_reduce_scatter(partials, order="ring")
     assert not np.array_equal(ring.view(np.uint16), want.view(np.uint16))
+
+
+@functools.lru_cache(maxsize=None)
+def _script():
+  spec = importlib.util.spec_from_file_location("numerics_script",
+                                                REPO / "experiments" / "numerics.py")
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)  # defines absl flags: load once per process
+  return mod
+
+
+@pytest.mark.parametrize("d", [2, 4, 8])
+def test_script_ring_order_xla_unfused_matches_the_emulation(d):
+  rng = np.random.default_rng(20 + d)
+  m, n = 8 * d, 16
+  xs = (rng.standard_normal((d, m, 1)) * np.exp2(rng.integers(-2, 3, (d, m, 1)))).astype(BF16)
+  ws = rng.standard_normal((d, 1, n)).astype(BF16)
+  partials = xs.astype(np.float32) * ws.astype(np.float32)  # exact: k_shard = 1
+  got = np.asarray(jax.jit(_script().xla_unfused_ring)(jnp.asarray(xs), jnp.asarray(ws)))
+  want = nm.unfused_reduce_scatter(partials, order="ring")
+  assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
 
 
 def test_error_ratio_and_summary():
@@ -478,6 +501,10 @@ def test_script_device_modes_with_stand_in_kernel(tmp_path):
       assert (c["max"], c["median"], c["worst_seed"]) == (lb["max"], lb["median"],
                                                           lb["worst_seed"])
       assert c["frac_inputs_unfused_error_rewritten_in_loop"] == 0.0
+    if mode == "loopback":
+      assert set(c["vs_ring_order"]) >= {"max", "p99", "median", "num_over_bound"}
+      if d == 2:  # one add: both orders are the same sum
+        assert c["vs_ring_order"]["max"] == c["max"]
   base = result["baseline"]
   mg = base["multi_gpu"]
   assert Path(mg["hlo"]["user"]["hlo_file"]).exists()
