@@ -1,0 +1,335 @@
+"""Bit-exact numpy emulations of the two reduce paths, the error rule, and input families.
+
+The correctness rule (docs/design.md section 2): the fused output's max relative error against an
+fp32 (here float64) reference must be at most `RULE_BOUND` = 1.1 times that of the unfused path
+(`jnp.dot` then a bf16 `psum_scatter`) on the same inputs. The statistic is
+`pallas_rs.reference.max_rel_error` (max|out - ref| / max|ref|); `error_ratio` divides two of them.
+
+Both emulations take the per-device **fp32 partial products** `P_s = x_s @ w_s` as inputs
+(`partials [D, m, n]`, float32), so they are independent of how a matmul orders its fp32
+accumulation: only the rounding of the reduce is emulated, bit for bit.
+
+Unfused path (`unfused_reduce_scatter`), what XLA + NCCL compute for
+`psum_scatter(dot(x, w, f32).astype(bf16))`:
+  1. every device rounds its fp32 partial to bf16 (round to nearest even);
+  2. NCCL's ring reduce-scatter sums the bf16 buffers chunk by chunk. Each hop adds the incoming
+     bf16 running sum and the local bf16 partial and stores bf16: one correctly rounded bf16 add
+     per hop (`__hadd2` on sm_80+, i.e. `add.rn.bf16x2`; emulated as an fp32 add of two bf16
+     values, exact unless their exponents differ by more than 15, then a rounding to bf16 --
+     bit-identical to a correctly rounded bf16 add). D - 1 roundings of the running sum.
+  The order of the adds for chunk c (`add_order`):
+    "ring":   NCCL's ring algorithm (src/device/reduce_scatter.h, runRing): the rank after c in
+              the ring sends its partial, each next rank adds its own and forwards, and c adds its
+              own partial last: ring[q+1], ring[q+2], ..., ring[q + D - 1], ring[q] where
+              q = ring position of c. `ring` is NCCL's ring (a permutation of the ranks chosen by
+              its topology search; identity by default). NCCL may use several rings (channels),
+              each for a different slice of the buffer; with full NVLink/NVSwitch connectivity
+              they are usually the identity order, but that is not guaranteed.
+    "source": sources 0, 1, ..., D - 1 (what pallas_rs.reference.loopback_matmul_reduce_scatter
+              does on one GPU).
+  At D = 2 every order is the same single add, round(bf16(P_a) + bf16(P_b)) (commutative).
+  `accumulate="promoted"` emulates the alternative where XLA would have moved the bf16 convert
+  after an fp32 reduce-scatter (no rounding of the partials, fp32 sum, one rounding): the GPU
+  baseline run (experiments/numerics.py --what=baseline) tells which one XLA really runs.
+
+Fused path (`fused_owner_sum`), what kernel.py's `reduce_tile` computes on rank r:
+  acc = own fp32 partial P_r (never rounded); for slot j = 0 .. D-2 (source (r - j - 1) % D,
+  schedule.source_of_slot): acc = fp32(acc + p_j), where p_j is the peer's fp32 partial rounded
+  to bf16 (`partial_dtype="bfloat16"`, what the peer stores) or kept in fp32 (`"float32"`);
+  finally one rounding to bf16.
+
+Why `partial_dtype="float32"` keeps the promise by construction: with s' the owner's fp32 sum,
+round_bf16(s') is the bf16 value nearest to s', so for any bf16 output u (the unfused one
+included) |fused - s'| <= |u - s'| elementwise. Against a reference r: |fused - r| <=
+|u - r| + 2|r - s'|, hence max_rel_error(fused) <= max_rel_error(unfused) + 2 max|r - s'| / max|r|,
+where |r - s'| is only fp32-level error (the fp32 sum of the D partials and the partials' own fp32
+accumulation, ~1e-6 relative), against a bf16-level max error of ~2e-3: the ratio stays below
+1 + 1e-3, far inside 1.1. With bf16 partials there is no such bound: the fused error is one rounding
+of each peer partial plus the final rounding, the unfused one D roundings of partials and D - 1 of
+the running sum, so the fused path is usually more accurate, but the max over elements of two
+different rounding patterns can come out larger for the fused one (a ratio above 1.1 at D = 2 is
+rare but real, see tests/test_numerics.py).
+
+Input families (`family_inputs`, jax, traceable: used on device by experiments/numerics.py and on
+CPU by the tests): global x [m, k] (k = k_shard * D, channels along k) and w [k, n], split along k
+over the ranks by `split_inputs`, so each rank holds different data.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import ml_dtypes
+import numpy as np
+
+from pallas_rs import reference
+from pallas_rs import schedule
+
+RULE_BOUND = 1.1
+# The values of Config.partial_dtype (pallas_rs/config.py; kept here so that importing this module
+# does not import the Mosaic GPU chain; tests/test_numerics.py checks they agree).
+PARTIAL_DTYPES = ("bfloat16", "float32")
+UNFUSED_ORDERS = ("ring", "source")
+UNFUSED_ACCUMULATE = ("bfloat16", "promoted")
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+FAMILIES = ("gaussian", "channel_scaled", "outliers", "llm_weights")
+# channel_scaled: per-channel (column of x) scale exp(N(0, CHANNEL_LOG_SIGMA^2)).
+CHANNEL_LOG_SIGMA = 1.0
+# outliers: this many channels of x scaled by a log-uniform factor in OUTLIER_SCALE.
+NUM_OUTLIER_CHANNELS = 4
+OUTLIER_SCALE = (10.0, 100.0)
+# llm_weights: w Laplace with standard deviation WEIGHT_STD (trained-weight magnitude; heavier
+# tails than a Gaussian, cheap to sample on device).
+WEIGHT_STD = 0.02
+
+__all__ = [
+    "BF16", "FAMILIES", "PARTIAL_DTYPES", "RULE_BOUND", "UNFUSED_ACCUMULATE", "UNFUSED_ORDERS",
+    "add_order", "case_errors", "error_ratio", "family_inputs", "family_scales",
+    "fused_owner_sum", "max_rel_error", "partials_and_reference", "ratio_summary", "round_bf16",
+    "split_inputs", "unfused_reduce_scatter",
+]
+
+max_rel_error = reference.max_rel_error  # The rule's statistic; the only one used here.
+
+
+def round_bf16(a) -> np.ndarray:
+  """float32 array of `a` rounded to bf16 (nearest even), via float32 (never double rounding
+  from float64: inputs must be float32 or bf16)."""
+  a = np.asarray(a)
+  if a.dtype == BF16:
+    return a.astype(np.float32)
+  if a.dtype != np.float32:
+    raise TypeError(f"round_bf16 takes float32 or bfloat16, got {a.dtype} (a float64 -> bf16 "
+                    "cast would not be the fp32 -> bf16 rounding the GPU does)")
+  return a.astype(BF16).astype(np.float32)
+
+
+def _check_partials(partials) -> np.ndarray:
+  p = np.asarray(partials)
+  if p.ndim != 3:
+    raise ValueError(f"partials must be [D, m, n], got {p.shape}")
+  if p.dtype not in (np.float32, BF16):
+    raise TypeError(f"partials must be float32 (or bfloat16), got {p.dtype}")
+  d, m, _ = p.shape
+  if m % d:
+    raise ValueError(f"m={m} not divisible by D={d}")
+  return p
+
+
+def add_order(chunk: int, num_devices: int, order: str | Sequence[int] = "ring",
+              ring: Sequence[int] | None = None) -> list[int]:
+  """Sources in the order the unfused reduce-scatter adds them for `chunk` (see module doc).
+
+  `order` is "ring", "source", or an explicit permutation of the D sources (used as is).
+  The first source is the initial running sum; each following one is one rounded add.
+  """
+  d = num_devices
+  if not isinstance(order, str):
+    srcs = [int(s) for s in order]
+    if sorted(srcs) != list(range(d)):
+      raise ValueError(f"explicit order {srcs} is not a permutation of range({d})")
+    return srcs
+  if order == "source":
+    return list(range(d))
+  if order == "ring":
+    ring = list(range(d)) if ring is None else [int(r) for r in ring]
+    if sorted(ring) != list(range(d)):
+      raise ValueError(f"ring {ring} is not a permutation of range({d})")
+    q = ring.index(chunk)
+    return [ring[(q + i) % d] for i in range(1, d + 1)]
+  raise ValueError(f"order={order!r} must be one of {UNFUSED_ORDERS} or a permutation")
+
+
+def unfused_reduce_scatter(partials, *, order: str | Sequence[int] = "ring",
+                           ring: Sequence[int] | None = None,
+                           accumulate: str = "bfloat16") -> np.ndarray:
+  """The unfused path from fp32 partials [D, m, n] -> bf16 [D, m // D, n] (out[c] on rank c).
+
+  accumulate="bfloat16": partials rounded to bf16, then D - 1 adds in `add_order`, each rounded
+  to bf16 (NCCL on bf16 buffers). "promoted": no rounding of the partials, fp32 adds in the same
+  order, one rounding at the end (what an fp32 reduce-scatter followed by the convert gives).
+  """
+  p = _check_partials(partials)
+  d, m, n = p.shape
+  chunk = m // d
+  if accumulate == "bfloat16":
+    p = round_bf16(p)
+  elif accumulate == "promoted":
+    p = p.astype(np.float32)
+  else:
+    raise ValueError(f"accumulate={accumulate!r} must be one of {UNFUSED_ACCUMULATE}")
+  blocks = p.reshape(d, d, chunk, n)  # [src, dst chunk, rows, n]
+  out = np.empty((d, chunk, n), BF16)
+  for c in range(d):
+    srcs = add_order(c, d, order, ring)
+    acc = blocks[srcs[0], c]
+    for s in srcs[1:]:
+      acc = acc + blocks[s, c]  # float32 + float32 -> float32 (round to nearest)
+      if accumulate == "bfloat16":
+        acc = round_bf16(acc)
+    out[c] = acc.astype(BF16)
+  return out
+
+
+def fused_owner_sum(partials, *, partial_dtype: str = "bfloat16") -> np.ndarray:
+  """The fused kernel's result from fp32 partials [D, m, n] -> bf16 [D, m // D, n].
+
+  Rank r: fp32 accumulator = own partial P_r[chunk r]; adds slot j = 0 .. D-2 (source
+  schedule.source_of_slot(r, j, D)) in fp32, each partial rounded to bf16 first when
+  partial_dtype="bfloat16" (what the peer sends) or as is for "float32"; rounds once.
+  """
+  if partial_dtype not in PARTIAL_DTYPES:
+    raise ValueError(f"partial_dtype={partial_dtype!r} must be one of {PARTIAL_DTYPES}")
+  p = _check_partials(partials).astype(np.float32)
+  d, m, n = p.shape
+  chunk = m // d
+  blocks = p.reshape(d, d, chunk, n)
+  sent = round_bf16(blocks) if partial_dtype == "bfloat16" else blocks
+  out = np.empty((d, chunk, n), BF16)
+  for r in range(d):
+    acc = blocks[r, r]
+    for j in range(d - 1):
+      acc = acc + sent[schedule.source_of_slot(r, j, d), r]
+    out[r] = acc.astype(BF16)
+  return out
+
+
+def error_ratio(err_fused: float, err_unfused: float) -> float:
+  """err_fused / err_unfused (the rule asks <= RULE_BOUND); 1.0 if both are 0, inf if only the
+  unfused error is 0."""
+  if err_unfused == 0.0:
+    return 1.0 if err_fused == 0.0 else float("inf")
+  return float(err_fused) / float(err_unfused)
+
+
+def case_errors(partials, ref, *, partial_dtypes: Sequence[str] = PARTIAL_DTYPES,
+                orders: Sequence[str] = UNFUSED_ORDERS, ring=None) -> dict[str, float]:
+  """max_rel_error of each emulated path against `ref` [D, m // D, n] (float64).
+
+  Keys: "unfused_<order>" for each order, "fused_<partial_dtype>" for each partial dtype.
+  """
+  errs = {f"unfused_{o}": max_rel_error(unfused_reduce_scatter(partials, order=o, ring=ring),
+                                        ref) for o in orders}
+  errs.update({f"fused_{pd}": max_rel_error(fused_owner_sum(partials, partial_dtype=pd), ref)
+               for pd in partial_dtypes})
+  return errs
+
+
+def partials_and_reference(xs, ws, *, exact: bool = False) -> tuple[np.ndarray, np.ndarray]:
+  """CPU: fp32 partials [D, m, n] (BLAS sgemm per rank) and a float64 reference [D, m // D, n].
+
+  exact=False: the reference is the float64 sum of those fp32 partials (testing.stacked_reference's
+  definition; both emulated paths then start from the same partials, so the ratio measures the
+  reduce alone). exact=True: float64 products (reference.numpy_reference's definition), 2-3x
+  slower; the two differ by the partials' fp32 accumulation error (~1e-6 relative).
+  """
+  x32 = np.asarray(xs).astype(np.float32)
+  w32 = np.asarray(ws).astype(np.float32)
+  d, m, _ = x32.shape
+  partials = np.matmul(x32, w32)
+  if exact:
+    full = sum(np.matmul(x32[r].astype(np.float64), w32[r].astype(np.float64))
+               for r in range(d))
+  else:
+    full = partials.astype(np.float64).sum(axis=0)
+  return partials, full.reshape(d, m // d, -1)
+
+
+def ratio_summary(err_fused, err_unfused, seeds=None, *, bound: float = RULE_BOUND) -> dict:
+  """Distribution of the per-input ratio err_fused / err_unfused (error_ratio, elementwise).
+
+  Returns max, p99, median, min, num_over_bound (ratio > bound), the worst input's seed (its
+  index when `seeds` is None) and both errors at that input.
+  """
+  ef = np.asarray(err_fused, np.float64).ravel()
+  eu = np.asarray(err_unfused, np.float64).ravel()
+  if ef.shape != eu.shape or not ef.size:
+    raise ValueError(f"need equal, non-empty error arrays, got {ef.shape} and {eu.shape}")
+  seeds = np.arange(ef.size) if seeds is None else np.asarray(seeds).ravel()
+  ratio = np.array([error_ratio(f, u) for f, u in zip(ef, eu)])
+  worst = int(np.argmax(ratio))
+  return dict(num_inputs=int(ef.size), max=float(ratio[worst]),
+              p99=float(np.percentile(ratio, 99)), median=float(np.median(ratio)),
+              min=float(ratio.min()), num_over_bound=int(np.sum(ratio > bound)),
+              bound=bound, worst_seed=int(seeds[worst]), err_fused_at_worst=float(ef[worst]),
+              err_unfused_at_worst=float(eu[worst]))
+
+
+# ---------------------------------------------------------------------------
+# Input families (jax; traceable, so they run on device inside jit / scan).
+# ---------------------------------------------------------------------------
+
+
+def family_scales(key, family, k: int):
+  """(per-channel scale of x [k] (float32), weight sampler name) for `family`.
+
+  `family` is a name or an int index into FAMILIES (a traced int selects with lax.switch).
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  def gaussian(key):
+    del key
+    return jnp.ones((k,), jnp.float32)
+
+  def channel_scaled(key):
+    return jnp.exp(CHANNEL_LOG_SIGMA * jax.random.normal(key, (k,), jnp.float32))
+
+  def outliers(key):
+    kc, ks = jax.random.split(key)
+    idx = jax.random.choice(kc, k, (NUM_OUTLIER_CHANNELS,), replace=False)
+    lo, hi = np.log(OUTLIER_SCALE[0]), np.log(OUTLIER_SCALE[1])
+    s = jnp.exp(jax.random.uniform(ks, (NUM_OUTLIER_CHANNELS,), jnp.float32, lo, hi))
+    return jnp.ones((k,), jnp.float32).at[idx].set(s)
+
+  branches = [gaussian, channel_scaled, outliers, gaussian]  # llm_weights: x as gaussian
+  if isinstance(family, str):
+    return branches[FAMILIES.index(family)](key)
+  return jax.lax.switch(family, branches, key)
+
+
+def family_inputs(key, family, *, m: int, k: int, n: int):
+  """Global bf16 x [m, k] and w [k, n] of `family` (name or int index, traced or not).
+
+  gaussian:       x ~ N(0, 1), w ~ N(0, 1) / sqrt(k) (outputs O(1)).
+  channel_scaled: x[:, c] ~ N(0, s_c^2), s_c = exp(CHANNEL_LOG_SIGMA * N(0, 1)) (per-channel
+                  activation scales, as after a norm layer's gain); w as gaussian.
+  outliers:       as gaussian, with NUM_OUTLIER_CHANNELS random channels of x scaled by a
+                  log-uniform factor in OUTLIER_SCALE (10-100x, as LLM activations have).
+  llm_weights:    x ~ N(0, 1), w ~ Laplace with std WEIGHT_STD (trained-weight scale, heavy
+                  tails; outputs O(WEIGHT_STD * sqrt(k)), not O(1)).
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  kx, kw, ks = jax.random.split(key, 3)
+  scale = family_scales(ks, family, k)
+  x = jax.random.normal(kx, (m, k), jnp.float32) * scale[None, :]
+
+  def w_gauss(kw):
+    return jax.random.normal(kw, (k, n), jnp.float32) / np.sqrt(k)
+
+  def w_llm(kw):
+    return (WEIGHT_STD / np.sqrt(2.0)) * jax.random.laplace(kw, (k, n), jnp.float32)
+
+  w_branches = [w_gauss, w_gauss, w_gauss, w_llm]
+  if isinstance(family, str):
+    w = w_branches[FAMILIES.index(family)](kw)
+  else:
+    w = jax.lax.switch(family, w_branches, kw)
+  # Round with reduce_precision before the cast: XLA (excess precision, on by default) may elide
+  # a later convert(convert(v, bf16), f32) pair, e.g. in an fp32 reference computed from these
+  # inputs, and would then see the unrounded fp32 values; rounded values survive that.
+  rnd = lambda v: jax.lax.reduce_precision(v, exponent_bits=8, mantissa_bits=7)
+  return rnd(x).astype(jnp.bfloat16), rnd(w).astype(jnp.bfloat16)
+
+
+def split_inputs(x, w, num_devices: int):
+  """Global x [m, k], w [k, n] -> xs [D, m, k / D], ws [D, k / D, n] (rank d: k-slice d).
+  Works on numpy and jax arrays."""
+  m, k = x.shape
+  if k % num_devices:
+    raise ValueError(f"k={k} not divisible by D={num_devices}")
+  ks = k // num_devices
+  xs = x.reshape(m, num_devices, ks).transpose(1, 0, 2)
+  ws = w.reshape(num_devices, ks, w.shape[1])
+  return xs, ws
