@@ -151,7 +151,7 @@ def test_single_gpu_sweep_records_unavailable_on_cpu(bench):
   with flagsaver.flagsaver(iterations=2, warmup=1, num_devices=2):
     recs = bench.sweep_single_gpu([shapes.custom_case(64, 128, 256, 8)],
                                   "host_wall_clock")
-  recs = [bench._sanitize(r) for r in recs]
+  recs = [bench.sanitize(r) for r in recs]
   for r in recs:
     bench.validate_record(r)
   got = {(r["shape"]["name"], r["implementation"]): r["status"] for r in recs}
