@@ -157,20 +157,12 @@ def _best(recs):
 
 def _gate_entry(*, gpu_kind, d, m, n, k_shard, best, xla, env, mode,
                 measured_with, op="matmul_rs") -> dict[str, Any]:
-  fused_wins = (best is not None and xla is not None
-                and best["median_us"] < (1.0 - FLAGS.margin) * xla["median_us"])
-  return {
-      "key": {"gpu_kind": gpu_kind, "num_devices": d, "m": m, "n": n,
-              "k_shard": k_shard, "dtype": "bfloat16"},
-      "implementation": "fused" if fused_wins else "xla",
-      "config": best["config"] if best else None,
-      "times_us": {"fused": best["times_us"] if best else [],
-                   "xla": xla["times_us"] if xla else []},
-      "env": env,
-      "measured_with": measured_with,
-      "mode": mode,
-      "op": op,
-  }
+  from pallas_rs import tuning_schema  # pylint: disable=g-import-not-at-top
+  return tuning_schema.make_entry(
+      op=op, gpu_kind=gpu_kind, num_devices=d, m=m, n=n, k_shard=k_shard,
+      fused_us=best["times_us"] if best else [], xla_us=xla["times_us"] if xla else [],
+      config_json=best["config"] if best else None, margin=FLAGS.margin, env=env,
+      measured_with=measured_with, mode=mode)
 
 
 # ---------------------------------------------------------------------------

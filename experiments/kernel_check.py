@@ -86,11 +86,9 @@ def run_correct():
 
 
 def _time(f, *args):
-  from jax.experimental.mosaic.gpu import profiler
-  jax.block_until_ready(f(*args))
-  jax.block_until_ready(f(*args))
-  _, times = profiler.measure(f, aggregate=True, iterations=_ITERS.value)(*args)
-  return [float(t) * 1e3 for t in times]  # us
+  """Per-iteration device times (us) of `f(*args)`: pallas_rs.timing, 2 warm-up calls."""
+  from pallas_rs import timing  # pylint: disable=g-import-not-at-top
+  return list(timing.time_function(f, args, iterations=_ITERS.value, warmup=2).times_us)
 
 
 def run_perf():

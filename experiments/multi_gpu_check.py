@@ -15,8 +15,11 @@ from __future__ import annotations
 import functools
 import json
 import os
-import subprocess
+from pathlib import Path
+import sys
 import time
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_env (experiments/)
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 if os.environ["NCCL_NVLS_ENABLE"] != "0":
@@ -35,6 +38,8 @@ from pallas_rs import fused
 from pallas_rs import reference
 from pallas_rs import shapes
 
+import bench_env  # pylint: disable=g-import-not-at-top,wrong-import-position  (experiments/)
+
 _OUT = flags.DEFINE_string("out", None, "JSON output path.")
 _STRESS = flags.DEFINE_integer("stress_calls", 1000, "Back-to-back calls in the stress run.")
 _MS = flags.DEFINE_list("m", ["512", "2048", "8192"], "Global m values for the correctness run.")
@@ -45,15 +50,10 @@ PAIRS = shapes.SEED_NK_PAIRS  # (n, k)
 
 
 def environment() -> dict:
-  def sh(cmd):
-    try:
-      return subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-      return f"unavailable: {e}"
-  return dict(jax=jax.__version__, devices=[str(d) for d in jax.devices()],
-              device_kind=jax.devices()[0].device_kind, topo=sh(["nvidia-smi", "topo", "-m"]),
-              nccl_env={k: v for k, v in os.environ.items() if k.startswith("NCCL")},
-              xla_flags=os.environ.get("XLA_FLAGS", ""), date=time.strftime("%F %T"))
+  """The experiments' environment block (bench_env), plus the NVLink topology."""
+  env = bench_env.environment_block(sys.argv)
+  env["topo"] = bench_env.run_cmd(["nvidia-smi", "topo", "-m"])
+  return env
 
 
 @functools.lru_cache(maxsize=None)

@@ -30,13 +30,14 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top,wrong-import-position
 import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
 
+from bench_records import BASELINES  # pylint: disable=g-import-not-at-top,wrong-import-position
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("results", "experiments/results/*.json",
                     "Glob of results JSON files.")
 flags.DEFINE_string("out_dir", "experiments/plots", "Where PNGs go.")
 flags.DEFINE_float("target", 0.9, "The overlap-efficiency target line.")
 
-BASELINES = ("gemm", "comm", "seq")
 
 
 def _median(record):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 from typing import Any, Mapping, NamedTuple
 
 # pallas_rs.config (and with it the Mosaic GPU import chain) is imported on first use, so that
@@ -248,3 +249,27 @@ def validate_table(table: Any) -> None:
                        f"{tuple(entry_key(entry))} (op {entry_op(entry)!r}, "
                        f"mode {entry_mode(entry)!r})")
     seen[ident] = i
+
+
+def make_entry(*, op: str = DEFAULT_OP, gpu_kind: str, num_devices: int, m: int, n: int,
+               k_shard: int, dtype: str = "bfloat16", fused_us: list[float],
+               xla_us: list[float], config_json: dict[str, Any] | None, margin: float = 0.0,
+               env: dict[str, Any] | None = None, measured_with: str = "",
+               mode: str | None = None) -> dict[str, Any]:
+  """A table entry from raw times: "fused" only if its median beats XLA's by `margin`
+  (the autotuner's rule; an empty list means "not measured")."""
+  fused_wins = (bool(fused_us) and bool(xla_us)
+                and statistics.median(fused_us) < (1.0 - margin) * statistics.median(xla_us))
+  entry = {
+      "key": {"gpu_kind": gpu_kind, "num_devices": num_devices, "m": m, "n": n,
+              "k_shard": k_shard, "dtype": dtype},
+      "implementation": "fused" if fused_wins else "xla",
+      "config": config_json,
+      "times_us": {"fused": list(fused_us), "xla": list(xla_us)},
+      "env": dict(env or {}),
+      "measured_with": measured_with,
+      "op": op,
+  }
+  if mode is not None:
+    entry["mode"] = mode
+  return entry

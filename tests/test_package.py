@@ -87,3 +87,32 @@ def test_max_rel_error():
   assert reference.max_rel_error(np.ones(3), np.zeros(3)) == float("inf")
   with pytest.raises(ValueError, match="shape"):
     reference.max_rel_error(np.ones(2), np.ones(3))
+
+
+def test_imports_only_go_down_and_modules_stay_small():
+  """No import circle among pallas_rs modules (lazy imports included); none over 450 lines."""
+  import re  # pylint: disable=g-import-not-at-top
+  from pathlib import Path  # pylint: disable=g-import-not-at-top
+  root = Path(pallas_rs.__file__).parent
+  graph = {}
+  for path in root.glob("*.py"):
+    text = path.read_text()
+    assert len(text.splitlines()) <= 450, path.name
+    deps = set(re.findall(r"from pallas_rs import (\w+)", text))
+    deps |= set(re.findall(r"from pallas_rs\.(\w+) import", text))
+    graph[path.stem] = deps - {path.stem}
+  graph.pop("__init__")
+  done, active = set(), []
+
+  def visit(name):
+    assert name not in active, f"import circle: {' -> '.join(active + [name])}"
+    if name in done or name not in graph:
+      return
+    active.append(name)
+    for dep in sorted(graph[name]):
+      visit(dep)
+    active.pop()
+    done.add(name)
+
+  for name in sorted(graph):
+    visit(name)

@@ -18,6 +18,7 @@ from pallas_rs import gate
 from pallas_rs import platform
 from pallas_rs import shapes
 from pallas_rs import tuning
+from pallas_rs import tuning_schema
 
 H200 = "NVIDIA H200"
 # A llama70b o_proj-like family at D = 8: n = 8192, k_shard = 1024.
@@ -437,28 +438,37 @@ def test_ag_auto_is_xla_unless_the_table_says_fused(monkeypatch):
 
 
 def test_autotune_writes_ag_entries_the_gate_reads(monkeypatch):
-  import importlib.util  # pylint: disable=g-import-not-at-top
-  from pathlib import Path  # pylint: disable=g-import-not-at-top
-  path = Path(__file__).resolve().parents[1] / "experiments" / "autotune.py"
-  spec = importlib.util.spec_from_file_location("autotune_for_test", path)
-  autotune = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(autotune)
-  autotune.FLAGS(["autotune", "--op=ag_matmul", "--mode=multi_gpu"])
-  case = dataclasses.replace(shapes.by_name("llama70b_o_proj_m512"), m=1024, n=1024)
-  prob = autotune.ag_problem(case, 8)
-  assert prob == {"m_shard": 128, "k": 1024, "n": 1024}
-  cfg = ag_matmul.default_config(prob["m_shard"], prob["n"])
+  # The entry experiments/autotune.py --op=ag_matmul writes (tuning_schema.make_entry) for the
+  # row-parallel backward of a case: all_gather(dy) @ w.T, dy [m/D, n], w.T [n, k_shard].
+  cfg = ag_matmul.default_config(128, 1024)
   kind = jax.devices()[0].device_kind
-  best = {"median_us": 9.0, "times_us": [9.0], "config": ag_matmul.config_to_json(cfg)}
-  xla = {"median_us": 10.0, "times_us": [10.0]}
-  entry = autotune._gate_entry(gpu_kind=kind, d=8, m=1024, n=prob["n"], k_shard=prob["k"],
-                               best=best, xla=xla, env={}, mode="multi_gpu",
-                               measured_with="test", op="ag_matmul")
+  entry = tuning_schema.make_entry(
+      op="ag_matmul", gpu_kind=kind, num_devices=8, m=1024, n=1024, k_shard=1024,
+      fused_us=[9.0, 9.5, 8.0], xla_us=[10.0, 10.5, 11.0],
+      config_json=ag_matmul.config_to_json(cfg), measured_with="test", mode="multi_gpu")
   table = _table(entry)
   tuning.validate_table(table)
   monkeypatch.setattr(platform, "on_hopper", lambda: True)
-  impl, config, _ = gate.choose_ag_implementation(
-      m_shard=prob["m_shard"], k=prob["k"], n=prob["n"], dtype=jnp.bfloat16,
-      out_dtype=jnp.bfloat16, num_devices=8, gather_dimension=0, implementation="auto",
-      table=table)
-  assert (impl, config) == ("fused", cfg)
+  kw = dict(m_shard=128, k=1024, n=1024, dtype=jnp.bfloat16, out_dtype=jnp.bfloat16,
+            num_devices=8, gather_dimension=0, implementation="auto", table=table)
+  assert gate.choose_ag_implementation(**kw)[:2] == ("fused", cfg)
+  slower = tuning_schema.make_entry(
+      op="ag_matmul", gpu_kind=kind, num_devices=8, m=1024, n=1024, k_shard=1024,
+      fused_us=[12.0], xla_us=[10.0], config_json=None)
+  assert slower["implementation"] == "xla"
+  assert gate.choose_ag_implementation(**dict(kw, table=_table(slower)))[0] == "xla"
+
+
+def test_autotune_dry_run_lists_the_ag_problems():
+  import os  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  from pathlib import Path  # pylint: disable=g-import-not-at-top
+  repo = Path(__file__).resolve().parents[1]
+  env = dict(os.environ, PYTHONPATH=str(repo))
+  res = subprocess.run(
+      [sys.executable, str(repo / "experiments" / "autotune.py"), "--dry_run",
+       "--mode=multi_gpu", "--op=ag_matmul", "--names=llama70b_o_proj_m512",
+       "--num_devices=2"], capture_output=True, text=True, env=env, timeout=300, check=False)
+  assert res.returncode == 0, res.stderr[-2000:]
+  assert "ag_matmul {'m_shard': 256, 'k': 8192, 'n': 4096}" in res.stdout, res.stdout
