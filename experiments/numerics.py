@@ -34,7 +34,6 @@ CPU:
 """
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import functools
 import inspect
@@ -90,23 +89,17 @@ def problem(d: int) -> dict:
 
 
 def make_config(d: int, pd: str):
-  """default_config for the loopback / multi_gpu problem with partial_dtype=pd; if it no longer
-  fits (a float32 partial may need more SMEM), the pipeline depth is lowered until it does."""
+  """default_config for the loopback / multi_gpu problem, sending partial_dtype=pd
+  (`config.with_partial_dtype` narrows the epilogue and the pipeline to fit SMEM)."""
   from pallas_rs import config as config_lib  # pylint: disable=g-import-not-at-top
   from pallas_rs import fused  # pylint: disable=g-import-not-at-top
   p = problem(d)
   sms = fused.gpu_num_sms() or config_lib.DEFAULT_NUM_SMS
   base = config_lib.default_config(m=p["m"], n=p["n"], k_shard=p["k_shard"], num_devices=d,
                                    num_sms=sms)
-  err = None
-  for steps in range(base.max_concurrent_steps, 1, -1):
-    cfg = dataclasses.replace(base, partial_dtype=pd, max_concurrent_steps=steps)
-    try:
-      cfg.check_shape(m=p["m"], n=p["n"], k_shard=p["k_shard"], num_devices=d)
-      return cfg
-    except NotImplementedError as e:
-      err = e
-  raise err
+  cfg = config_lib.with_partial_dtype(base, pd, d)
+  cfg.check_shape(m=p["m"], n=p["n"], k_shard=p["k_shard"], num_devices=d)
+  return cfg
 
 
 def kernel_reads_partial_dtype() -> bool:

@@ -34,25 +34,21 @@ _PROXY = flags.DEFINE_list(
     "Shapes also timed with k = K / 4 (at D = 2 the k_shard of D = 8).")
 _VARIANTS = flags.DEFINE_list(
     "variants", ["v1", "c2", "c4", "c8", "c16", "c4_f32", "direct_f32"],
-    "Config variants: v1 (direct push), cN (N comm CTAs), *_f32 (fp32 partials).")
+    "Config variants: v1 (direct push), cN (N comm CTAs), *_f32 / *_bf16 (partials).")
 _ITERS = flags.DEFINE_integer("iterations", 40, "Timed iterations per variant.")
 _OUT = flags.DEFINE_string("out", "", "JSON output path.")
 
 
 def variant_config(base, name: str):
-  """The config of a variant name: v1, cN, direct_f32, cN_f32."""
+  """The config of a variant name: v1 (direct push), cN (N comm CTAs), with _f32 / _bf16
+  partials (default: base's)."""
+  from pallas_rs import config as config_lib  # pylint: disable=g-import-not-at-top
   parts = name.split("_")
-  kw = {}
+  cfg = base
   if parts[0].startswith("c"):
-    kw["comm_ctas"] = int(parts[0][1:])
-  if parts[-1] == "f32":
-    kw.update(partial_dtype="float32", epi_tile_n=min(32, base.epi_tile_n))
-  cfg = dataclasses.replace(base, **kw)
-  steps = cfg.max_concurrent_steps
-  while not cfg.fits_smem(2) and steps > 2:  # fp32 send slots take SMEM from the pipeline.
-    steps -= 1
-    cfg = dataclasses.replace(cfg, max_concurrent_steps=steps)
-  return cfg
+    cfg = dataclasses.replace(cfg, comm_ctas=int(parts[0][1:]))
+  dtype = {"f32": "float32", "bf16": "bfloat16"}.get(parts[-1])
+  return config_lib.with_partial_dtype(cfg, dtype, 2) if dtype else cfg
 
 
 def main(argv):

@@ -165,12 +165,23 @@ class Config:
 def default_partial_dtype(num_devices: int) -> str:
   """The partial dtype that keeps the seed's error rule (docs/design.md section 5).
 
-  At D = 2 the owner adds one peer partial: sent in bf16 it is rounded twice (once by the
-  peer, once in the sum), like the unfused path but in another order, and the max error can
-  exceed the unfused one by more than 10% on some inputs; sent in fp32 the sum is rounded once.
-  From D = 4 on, the unfused path rounds at every one of its D - 1 adds and bf16 partials
-  keep a wide margin (measured; section 5.2)."""
-  return "float32" if num_devices == 2 else "bfloat16"
+  Sent in fp32, the partials are summed and rounded once: the result is the bf16 value nearest
+  the fp32 sum, never further from it than the unfused output (a guarantee). Sent in bf16
+  they are rounded twice, and the max error exceeded the unfused one by more than 10% on
+  1-2% of inputs at D = 2 and on the outlier family at D = 4 (measured, section 5.2); at
+  D = 8 the unfused path's seven roundings leave bf16 partials a wide margin (max 1.0 over
+  1200 GPU inputs), so there the bytes stay bf16."""
+  return "float32" if num_devices <= 4 else "bfloat16"
+
+
+def with_partial_dtype(cfg: Config, partial_dtype: str, num_devices: int) -> Config:
+  """`cfg` sending `partial_dtype` partials: the epilogue sub-tile narrowed and the pipeline
+  shortened as far as needed to fit SMEM (the caller still checks the shape)."""
+  cfg = dataclasses.replace(cfg, partial_dtype=partial_dtype,
+                            epi_tile_n=_epi_tile_n(cfg.tile_n, partial_dtype))
+  while not cfg.fits_smem(num_devices) and cfg.max_concurrent_steps > 2:
+    cfg = dataclasses.replace(cfg, max_concurrent_steps=cfg.max_concurrent_steps - 1)
+  return cfg
 
 
 def _epi_tile_n(tile_n: int, partial_dtype: str) -> int:

@@ -33,9 +33,7 @@ def _swizzled(block_minor_elems: int, dtype) -> tuple:
 
 
 ABLATIONS = frozenset({"comm", "reduce"})
-# Tiles a comm warpgroup keeps in flight to the owner before it waits for the oldest to land
-# and signals it (docs/design.md section 3.2).
-_COMM_SIGNAL_LAG = 4
+_COMM_SIGNAL_LAG = schedule.COMM_SIGNAL_LAG  # docs/design.md section 3.2.
 
 
 def _strided_loop(start, stride, total, body):

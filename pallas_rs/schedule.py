@@ -15,6 +15,13 @@ A signal for a remote tile is sent lazily: at the start of the epilogue of the C
 last `eager_signal_steps` remote steps instead wait for their store right away and signal at
 once (`first_eager_step`): the owner, who computes its own chunk next, waits less.
 
+With `comm_ctas` > 0 (docs/design.md section 3.2) the first `comm_ctas` CTAs of a rank compute
+nothing: the compute CTAs (the others, renumbered from 0) store each remote tile into the rank's
+own staging slot `s` and announce it on a local "staged" semaphore `(s, t, wg)` (lazily or
+eagerly, as above); comm CTA `c` takes the tiles `c, c + comm_ctas, ...` of each remote step in
+order, waits until each is staged, TMA-copies it into the owner's receive slot and signals the
+owner once it has landed, `COMM_SIGNAL_LAG` tiles later (or after its last tile of the step).
+
 The functions below accept Python ints and traced int32 scalars alike.
 """
 from __future__ import annotations
@@ -23,6 +30,8 @@ import dataclasses
 from typing import Any
 
 NUM_COMPUTE_WGS = 2
+# Tiles a comm warpgroup keeps in flight before it waits for the oldest to land and signals it.
+COMM_SIGNAL_LAG = 4
 
 
 def step_and_tile(lin_idx: Any, tiles_per_chunk: int) -> tuple[Any, Any]:
@@ -59,7 +68,10 @@ class Event:
   kind: "compute" (mainloop of a tile), "store" (TMA store of a tile to `dst`, slot `slot`),
     "signal" (one increment of `dst`'s semaphore `(tile, wg)` per compute warpgroup),
     "wait" (own chunk: wait until semaphore `(tile, wg)` reaches `target`),
-    "reduce" (read slots 0..D-2 of `tile` and write the output tile).
+    "reduce" (read slots 0..D-2 of `tile` and write the output tile),
+    "stage" (with comm CTAs: TMA store of a remote tile into the rank's own staging slot
+      `slot`), "signal_staged" (one increment of the rank's staged semaphore
+      `(slot, tile, wg)` per compute warpgroup), "wait_staged" (a comm CTA waits for it).
   """
   kind: str
   rank: int
@@ -76,11 +88,24 @@ def cta_tiles(cta: int, num_ctas: int, num_devices: int, tiles_per_chunk: int) -
 
 
 def cta_program(rank: int, cta: int, *, num_ctas: int, num_devices: int,
-                tiles_per_chunk: int, eager_signal_steps: int = 0) -> list[Event]:
-  """The ordered events of one CTA, mirroring kernel.py's loop body."""
+                tiles_per_chunk: int, eager_signal_steps: int = 0,
+                comm_ctas: int = 0) -> list[Event]:
+  """The ordered events of CTA `cta` of `num_ctas` (a rank's whole grid), mirroring kernel.py."""
   d = num_devices
+  if comm_ctas and d > 1:
+    if cta < comm_ctas:
+      return _comm_program(rank, cta, comm_ctas=comm_ctas, num_devices=d,
+                           tiles_per_chunk=tiles_per_chunk)
+    cta, num_ctas = cta - comm_ctas, num_ctas - comm_ctas
+  staged = bool(comm_ctas) and d > 1
   first_eager = first_eager_step(d, eager_signal_steps)
   deferred = lambda e: e is not None and e.step < first_eager  # A remote, lazy signal.
+
+  def announce(e):
+    if staged:
+      return Event("signal_staged", rank, cta, e.step, e.tile, rank, e.slot)
+    return Event("signal", rank, cta, e.step, e.tile, e.dst, e.slot)
+
   events = []
   prev = None
   for lin in cta_tiles(cta, num_ctas, d, tiles_per_chunk):
@@ -88,67 +113,109 @@ def cta_program(rank: int, cta: int, *, num_ctas: int, num_devices: int,
     dst = (rank + dst_offset(step, d)) % d
     events.append(Event("compute", rank, cta, step, tile, dst))
     if deferred(prev):
-      events.append(Event("signal", rank, cta, prev.step, prev.tile, prev.dst, prev.slot))
+      events.append(announce(prev))
     if step == own_step(d):
       if d > 1:
         events.append(Event("wait", rank, cta, step, tile, rank, target=d - 1))
       events.append(Event("reduce", rank, cta, step, tile, rank))
       prev = Event("store", rank, cta, step, tile, rank)
     else:
-      prev = Event("store", rank, cta, step, tile, dst, recv_slot(step))
+      if staged:
+        prev = Event("stage", rank, cta, step, tile, dst, recv_slot(step))
+      else:
+        prev = Event("store", rank, cta, step, tile, dst, recv_slot(step))
       events.append(prev)
       if not deferred(prev):
-        events.append(Event("signal", rank, cta, step, tile, dst, prev.slot))
+        events.append(announce(prev))
   if deferred(prev):
-    events.append(Event("signal", rank, cta, prev.step, prev.tile, prev.dst, prev.slot))
+    events.append(announce(prev))
+  return events
+
+
+def _comm_program(rank: int, cta: int, *, comm_ctas: int, num_devices: int,
+                  tiles_per_chunk: int) -> list[Event]:
+  d = num_devices
+  events = []
+  for step in range(own_step(d)):
+    dst = (rank + dst_offset(step, d)) % d
+    slot = recv_slot(step)
+    mine = list(range(cta, tiles_per_chunk, comm_ctas))
+    for j, tile in enumerate(mine):
+      events.append(Event("wait_staged", rank, cta, step, tile, rank, slot, target=1))
+      events.append(Event("store", rank, cta, step, tile, dst, slot))
+      if j >= COMM_SIGNAL_LAG:
+        events.append(Event("signal", rank, cta, step, mine[j - COMM_SIGNAL_LAG], dst, slot))
+    for tile in mine[max(0, len(mine) - COMM_SIGNAL_LAG):]:
+      events.append(Event("signal", rank, cta, step, tile, dst, slot))
   return events
 
 
 def rank_programs(rank: int, *, num_ctas: int, num_devices: int, tiles_per_chunk: int,
-                  eager_signal_steps: int = 0) -> list[list[Event]]:
+                  eager_signal_steps: int = 0, comm_ctas: int = 0) -> list[list[Event]]:
   return [cta_program(rank, c, num_ctas=num_ctas, num_devices=num_devices,
-                      tiles_per_chunk=tiles_per_chunk, eager_signal_steps=eager_signal_steps)
+                      tiles_per_chunk=tiles_per_chunk, eager_signal_steps=eager_signal_steps,
+                      comm_ctas=comm_ctas)
           for c in range(num_ctas)]
 
 
 def simulate(*, num_ctas: int, num_devices: int, tiles_per_chunk: int,
-             eager_signal_steps: int = 0) -> dict[str, Any]:
+             eager_signal_steps: int = 0, comm_ctas: int = 0) -> dict[str, Any]:
   """Runs every CTA of every rank as a sequential process, round-robin.
 
   Models the co-resident persistent grid the kernel requires (fused.check_supported keeps
-  num_sms within the GPU). Returns the final semaphore values and the event order. Raises
-  RuntimeError on deadlock (no CTA can make progress) or on a read of an unwritten slot.
+  num_sms within the GPU). Returns the final semaphore values (the owners' `(rank, tile, wg)`
+  and, with comm CTAs, the staged `("staged", rank, slot, tile, wg)`) and the event order.
+  Raises RuntimeError on deadlock (no CTA can make progress), on a read of an unwritten slot
+  or on a push of a tile that was not staged.
   """
   d = num_devices
+  if comm_ctas and d > 1 and comm_ctas >= num_ctas:
+    raise ValueError(f"{comm_ctas=} leaves no compute CTA among {num_ctas=}")
   programs = {(r, c): prog for r in range(d)
               for c, prog in enumerate(rank_programs(
                   r, num_ctas=num_ctas, num_devices=d, tiles_per_chunk=tiles_per_chunk,
-                  eager_signal_steps=eager_signal_steps))}
+                  eager_signal_steps=eager_signal_steps, comm_ctas=comm_ctas))}
   pcs = {key: 0 for key in programs}
-  sems: dict[tuple[int, int, int], int] = {}
+  sems: dict[tuple, int] = {}
   landed: set[tuple[int, int, int]] = set()  # (dst, slot, tile) stores that completed
+  staged: set[tuple[int, int, int]] = set()  # (rank, slot, tile) tiles in staging
   trace = []
   pending = sum(len(p) for p in programs.values())
+  wgs = range(NUM_COMPUTE_WGS)
   while pending:
     progressed = False
     for key, prog in programs.items():
       while pcs[key] < len(prog):
         ev = prog[pcs[key]]
         if ev.kind == "wait":
-          if any(sems.get((ev.rank, ev.tile, wg), 0) < ev.target
-                 for wg in range(NUM_COMPUTE_WGS)):
+          if any(sems.get((ev.rank, ev.tile, wg), 0) < ev.target for wg in wgs):
+            break
+        elif ev.kind == "wait_staged":
+          if any(sems.get(("staged", ev.rank, ev.slot, ev.tile, wg), 0) < ev.target
+                 for wg in wgs):
             break
         elif ev.kind == "reduce":
           for slot in range(d - 1):
             if (ev.rank, slot, ev.tile) not in landed:
               raise RuntimeError(f"rank {ev.rank} reads slot {slot} of tile {ev.tile} "
                                  "before it was written")
+        elif ev.kind == "stage":
+          staged.add((ev.rank, ev.slot, ev.tile))
         elif ev.kind == "store" and ev.slot >= 0:
-          # The store lands before its signal (wait_smem_to_gmem(0) precedes the signal).
+          if comm_ctas and d > 1 and (ev.rank, ev.slot, ev.tile) not in staged:
+            raise RuntimeError(f"rank {ev.rank} pushes tile {ev.tile} of slot {ev.slot} "
+                               "before it was staged")
+          # The store lands before its signal (wait_smem_to_gmem precedes the signal).
           landed.add((ev.dst, ev.slot, ev.tile))
         elif ev.kind == "signal":
-          for wg in range(NUM_COMPUTE_WGS):
+          if (ev.dst, ev.slot, ev.tile) not in landed:
+            raise RuntimeError(f"rank {ev.rank} signals tile {ev.tile} before it landed")
+          for wg in wgs:
             sems[(ev.dst, ev.tile, wg)] = sems.get((ev.dst, ev.tile, wg), 0) + 1
+        elif ev.kind == "signal_staged":
+          for wg in wgs:
+            k = ("staged", ev.rank, ev.slot, ev.tile, wg)
+            sems[k] = sems.get(k, 0) + 1
         trace.append(ev)
         pcs[key] += 1
         pending -= 1

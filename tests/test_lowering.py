@@ -222,3 +222,27 @@ def test_eager_signal_configs_lower(eager):
   ws = jax.ShapeDtypeStruct((8, 256, 512), jnp.bfloat16)
   jax.export.export(jax.jit(functools.partial(fused.loopback_matmul_reduce_scatter, config=cfg)),
                     platforms=["cuda"])(xs, ws)
+
+
+@pytest.mark.parametrize("d", [2, 8])
+@pytest.mark.parametrize("comm,partial_dtype", [(0, "float32"), (4, "bfloat16"), (2, "float32")])
+def test_comm_ctas_and_partial_dtypes_lower(d, comm, partial_dtype):
+  """The communication paths of docs/design.md 3.2 and both partial dtypes: under shard_map,
+  in loopback, and with the communication ablated (comm CTAs then idle)."""
+  base = config_lib.Config(comm_ctas=comm)
+  cfg = config_lib.with_partial_dtype(base, partial_dtype, d)
+  assert cfg.fits_smem(d) and cfg.partial_dtype == partial_dtype
+  _export_shard_map(1024, 1024, 1024, d, config=cfg)
+  xs = jax.ShapeDtypeStruct((d, 256 * d, 256), jnp.bfloat16)
+  ws = jax.ShapeDtypeStruct((d, 256, 512), jnp.bfloat16)
+  for ablate in ((), ("comm",)):
+    exported = jax.export.export(jax.jit(functools.partial(
+        fused.loopback_matmul_reduce_scatter, config=cfg, ablate=ablate)), platforms=["cuda"])(
+            xs, ws)
+    assert exported.out_avals[0].shape == (d, 256, 512)
+
+
+def test_fp32_partials_without_room_are_refused():
+  cfg = config_lib.Config(partial_dtype="float32", epi_tile_n=64, max_concurrent_steps=4)
+  with pytest.raises(NotImplementedError, match="shared memory"):
+    cfg.check_shape(m=1024, n=1024, k_shard=512, num_devices=2)

@@ -15,13 +15,18 @@ def _tiles(case, d):
   return (case.m // d // cfg.cta_tile_m) * (case.n // cfg.cta_tile_n)
 
 
-def _check(d, tiles, num_ctas):
-  result = schedule.simulate(num_ctas=num_ctas, num_devices=d, tiles_per_chunk=tiles)
+def _check(d, tiles, num_ctas, comm_ctas=0, eager=0):
+  result = schedule.simulate(num_ctas=num_ctas, num_devices=d, tiles_per_chunk=tiles,
+                             comm_ctas=comm_ctas, eager_signal_steps=eager)
   trace = result["trace"]
   computed = collections.Counter((e.rank, e.dst, e.tile) for e in trace if e.kind == "compute")
   # Every rank computes every tile of every chunk exactly once.
   assert set(computed.values()) == {1}
   assert len(computed) == d * d * tiles
+  if comm_ctas and d > 1:  # ... on compute CTAs only.
+    assert all(e.cta >= 0 for e in trace if e.kind == "compute")
+    assert not any(e.kind == "compute" for e in schedule.cta_program(
+        0, 0, num_ctas=num_ctas, num_devices=d, tiles_per_chunk=tiles, comm_ctas=comm_ctas))
   # Every output tile is produced (reduced) exactly once, by its owner.
   reduced = collections.Counter((e.rank, e.tile) for e in trace if e.kind == "reduce")
   assert set(reduced.values()) == {1} and len(reduced) == d * tiles
@@ -32,11 +37,20 @@ def _check(d, tiles, num_ctas):
   for e in trace:
     if e.kind == "store" and e.slot >= 0:
       assert schedule.source_of_slot(e.dst, e.slot, d) == e.rank
+  staged = collections.Counter((e.rank, e.slot, e.tile) for e in trace if e.kind == "stage")
+  if comm_ctas and d > 1:  # Every remote tile is staged once, then pushed once.
+    assert set(staged.values()) == {1} and len(staged) == d * (d - 1) * tiles
+  else:
+    assert not staged
   # Each wait's target equals the signals that reach its semaphore: no more, no fewer.
   waits = {(e.rank, e.tile): e.target for e in trace if e.kind == "wait"}
-  for (rank, tile, wg), value in result["semaphores"].items():
+  owner = {k: v for k, v in result["semaphores"].items() if k[0] != "staged"}
+  for (rank, tile, wg), value in owner.items():
     assert value == waits[(rank, tile)] == d - 1, (rank, tile, wg)
-  assert len(result["semaphores"]) == d * tiles * schedule.NUM_COMPUTE_WGS
+  assert len(owner) == d * tiles * schedule.NUM_COMPUTE_WGS
+  for key, value in result["semaphores"].items():
+    if key[0] == "staged":
+      assert value == 1, key  # One staging signal per tile and warpgroup, one wait for it.
 
 
 @pytest.mark.parametrize("case", SEEDS, ids=lambda c: c.name)
@@ -90,11 +104,8 @@ def test_detects_missing_signal(monkeypatch):
 
 @pytest.mark.parametrize("eager", [1, 2, 7, 20])
 @pytest.mark.parametrize("d,tiles,ctas", [(8, 32, 132), (4, 7, 5), (2, 3, 1), (8, 64, 16)])
-def test_eager_signal_variants(d, tiles, ctas, eager, monkeypatch):
-  orig = schedule.simulate
-  monkeypatch.setattr(schedule, "simulate",
-                      lambda **kw: orig(**kw, eager_signal_steps=eager))
-  _check(d, tiles, ctas)
+def test_eager_signal_variants(d, tiles, ctas, eager):
+  _check(d, tiles, ctas, eager=eager)
 
 
 def test_eager_signal_follows_the_store():
@@ -105,3 +116,30 @@ def test_eager_signal_follows_the_store():
   assert kinds.index(("signal", 0, 0)) == kinds.index(("store", 0, 0)) + 1
   assert kinds.index(("signal", 0, 0)) < kinds.index(("compute", 0, 1))
   assert sum(k == "signal" for k, _, _ in kinds) == 2
+
+
+@pytest.mark.parametrize("d,tiles,ctas,comm", [
+    (2, 64, 132, 2), (2, 1024, 132, 4), (8, 16, 132, 8), (4, 7, 64, 3), (8, 3, 16, 1),
+    (2, 1, 4, 2), (8, 1, 132, 16)])
+@pytest.mark.parametrize("eager", [0, 1])
+def test_comm_ctas(d, tiles, ctas, comm, eager):
+  """Staging + dedicated comm CTAs: no deadlock, every tile staged, pushed and announced once,
+  including comm CTAs with no tile (comm > tiles) and the signal lag's drain."""
+  _check(d, tiles, ctas, comm_ctas=comm, eager=eager)
+
+
+def test_comm_ctas_need_a_compute_cta():
+  with pytest.raises(ValueError, match="leaves no compute CTA"):
+    schedule.simulate(num_ctas=4, num_devices=2, tiles_per_chunk=3, comm_ctas=4)
+
+
+def test_push_before_staging_is_caught(monkeypatch):
+  """The simulator's check is live: a comm CTA that skips its wait pushes unstaged data."""
+  real = schedule._comm_program  # pylint: disable=protected-access
+
+  def no_wait(*args, **kwargs):
+    return [e for e in real(*args, **kwargs) if e.kind != "wait_staged"]
+
+  monkeypatch.setattr(schedule, "_comm_program", no_wait)
+  with pytest.raises(RuntimeError, match="before it was staged"):
+    schedule.simulate(num_ctas=8, num_devices=2, tiles_per_chunk=32, comm_ctas=2)
