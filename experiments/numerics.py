@@ -204,25 +204,6 @@ def _device_stats(fused_outs, unfused, ref, more_unfused=()):
                    + [err(o) for o in more_unfused])
 
 
-def xla_unfused_ring(xs, ws):
-  """Like reference.loopback_matmul_reduce_scatter, in NCCL's ring order (identity ring):
-  chunk c adds sources c+1, c+2, ..., c (numerics.add_order(c, D, "ring")), rounding each add."""
-  from jax import lax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  d, m, _ = xs.shape
-  rnd = lambda v: lax.reduce_precision(v, exponent_bits=8, mantissa_bits=7)
-  parts = rnd(jnp.einsum("dmk,dkn->dmn", xs, ws, preferred_element_type=jnp.float32))
-  parts = parts.reshape(d, d, m // d, -1)  # [src, dst, m // D, n]
-  out = []
-  for c in range(d):
-    srcs = numerics.add_order(c, d, "ring")
-    acc = parts[srcs[0], c]
-    for src in srcs[1:]:
-      acc = rnd(acc + parts[src, c])
-    out.append(acc)
-  return jnp.stack(out).astype(xs.dtype)
-
-
 def _f32_ref(x, w):
   """fp32 reference of bf16 x @ w. reduce_precision keeps the operands' bf16 values even where
   XLA elides a convert pair (excess precision; family_inputs rounds the same way at the source)."""
@@ -251,7 +232,8 @@ def loopback_fn(d, cfgs):
       outs = [fused.loopback_matmul_reduce_scatter(xs, ws, config=c) for c in cfgs]
       unfused = reference.loopback_matmul_reduce_scatter(xs, ws)
       ref = _f32_ref(x, w).reshape(d, p["chunk"], p["n"])
-      return _device_stats(outs, unfused, ref, [xla_unfused_ring(xs, ws)])
+      ring = reference.loopback_matmul_reduce_scatter(xs, ws, order="ring")
+      return _device_stats(outs, unfused, ref, [ring])
     return lax.map(one, seeds)
   dev = jax.devices()[0]
   return jax.jit(run), lambda a: jax.device_put(a, dev)

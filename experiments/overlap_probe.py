@@ -34,21 +34,27 @@ _PROXY = flags.DEFINE_list(
     "Shapes also timed with k = K / 4 (at D = 2 the k_shard of D = 8).")
 _VARIANTS = flags.DEFINE_list(
     "variants", ["v1", "c2", "c4", "c8", "c16", "c4_f32", "direct_f32"],
-    "Config variants: v1 (direct push), cN (N comm CTAs), *_f32 / *_bf16 (partials).")
+    "Config variants (overlap_probe.variant_config): v1, cN, oN, f32/bf16 tokens, e.g. c4_bf16.")
 _ITERS = flags.DEFINE_integer("iterations", 40, "Timed iterations per variant.")
 _OUT = flags.DEFINE_string("out", "", "JSON output path.")
 
 
 def variant_config(base, name: str):
-  """The config of a variant name: v1 (direct push), cN (N comm CTAs), with _f32 / _bf16
-  partials (default: base's)."""
+  """The config of a variant name, "_"-separated tokens applied to `base`: v1 (as is: the
+  direct push), cN (N comm CTAs), oN (N epilogue SMEM slots), f32 / bf16 (partial dtype);
+  then fitted to SMEM at D = 2 (`config.fit_smem`)."""
   from pallas_rs import config as config_lib  # pylint: disable=g-import-not-at-top
-  parts = name.split("_")
   cfg = base
-  if parts[0].startswith("c"):
-    cfg = dataclasses.replace(cfg, comm_ctas=int(parts[0][1:]))
-  dtype = {"f32": "float32", "bf16": "bfloat16"}.get(parts[-1])
-  return config_lib.with_partial_dtype(cfg, dtype, 2) if dtype else cfg
+  for token in name.split("_"):
+    if token in ("f32", "bf16"):
+      cfg = config_lib.with_partial_dtype(
+          cfg, "float32" if token == "f32" else "bfloat16", 2)
+    elif token[0] in "co" and token[1:].isdigit():
+      field = "comm_ctas" if token[0] == "c" else "out_slots"
+      cfg = dataclasses.replace(cfg, **{field: int(token[1:])})
+    elif token != "v1":
+      raise ValueError(f"unknown variant token {token!r} in {name!r}")
+  return config_lib.fit_smem(cfg, 2)
 
 
 def main(argv):

@@ -5,6 +5,9 @@
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh sweep    # the 16 seed shapes at D = all GPUs
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh proxy8   # the D = 8 k_shard of each seed shape, at D = 2
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh ablate   # where the time goes; then autotune
+#   OUT=/tmp/mg bash experiments/run_multi_gpu.sh probe    # communication paths side by side
+#   OUT=/tmp/mg bash experiments/run_multi_gpu.sh numerics # error-ratio distributions, baseline
+#   OUT=/tmp/mg bash experiments/run_multi_gpu.sh model    # TP block end to end; backward AG gate
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_ALLOCATOR=default
 out=${OUT:-/tmp/mg}; mkdir -p "$out"
@@ -30,5 +33,23 @@ llama70b_o_proj_m512,llama70b_o_proj_m32768,mixtral8x22b_w2_m2048,llama70b_down_
     timeout 320 python3 experiments/autotune.py --mode=multi_gpu --tags=seed --max_configs=3 \
       --iterations=30 --table="$out/tuning_table.json" --out="$out/autotune_multi_gpu.json" 2>&1 \
       | quiet | tail -20 ;;
-  *) echo "usage: $0 check|sweep|proxy8|ablate" >&2; exit 2 ;;
+  probe)
+    # Direct push vs whole-tile epilogue slots vs comm CTAs, bf16 and fp32 partials, with
+    # their no-comm ablations (docs/design.md section 3.2).
+    timeout 560 python3 experiments/overlap_probe.py --what=check,time --iterations=30 \
+      --variants=v1_bf16,v1,o4_bf16,o4,c2_bf16,c4_bf16,c8_bf16,c4 \
+      --out="$out/overlap_probe.json" 2>&1 | quiet | tail -40 ;;
+  numerics)
+    timeout 400 python3 experiments/numerics.py --mode=loopback,multi_gpu \
+      --what=baseline,sweep --time_budget_s=300 --out="$out/numerics.json" 2>&1 \
+      | quiet | tail -40 ;;
+  model)
+    for model in llama70b mixtral8x22b; do
+      timeout 200 python3 experiments/model_bench.py --mode=multi_gpu --model=$model \
+        --m=2048,8192 --keep_going --out="$out/model_$model.json" 2>&1 | quiet | tail -12
+    done
+    timeout 150 python3 experiments/autotune.py --mode=multi_gpu --op=ag_matmul --tags=seed \
+      --max_configs=2 --iterations=20 --table="$out/tuning_table.json" \
+      --out="$out/autotune_ag.json" 2>&1 | quiet | tail -20 ;;
+  *) echo "usage: $0 check|sweep|proxy8|ablate|probe|numerics|model" >&2; exit 2 ;;
 esac

@@ -14,10 +14,10 @@ Config = config_lib.Config
 
 # Fields varied one at a time around the default, in this priority order; each
 # value list is ordered nearest-first.
-_VARIANT_FIELDS = ("comm_ctas", "tile_m", "tile_n", "grid_minor_dim", "grid_tile_width",
+_VARIANT_FIELDS = ("comm_ctas", "out_slots", "tile_m", "tile_n", "grid_minor_dim", "grid_tile_width",
                    "max_concurrent_steps", "recv_stages", "eager_signal_steps")
 # Fields that change nothing at D = 1 (no receive buffers, no signals).
-_MULTI_DEVICE_FIELDS = ("comm_ctas", "recv_stages", "eager_signal_steps")
+_MULTI_DEVICE_FIELDS = ("comm_ctas", "out_slots", "recv_stages", "eager_signal_steps")
 
 
 def candidate_configs(*, m: int, n: int, k_shard: int, num_devices: int,

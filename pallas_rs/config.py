@@ -45,6 +45,9 @@ class Config:
       section 3). 0: the compute CTAs TMA-store each peer tile straight to its owner. n > 0:
       compute CTAs store peer tiles to a local staging buffer (HBM speed) and these n CTAs
       push them over NVLink, so no compute SM waits at NVLink pace.
+    out_slots: SMEM slots per compute warpgroup for epilogue sub-tiles on their way out; 0
+      (default) is min(2, sub-tiles). As many as a warpgroup tile has sub-tiles lets the
+      epilogue hand a whole peer tile to TMA without waiting for NVLink to drain any of it.
     partial_dtype: dtype of the partial tiles sent to their owners, "bfloat16" or "float32".
       With float32 the owner rounds the sum of all D partials once (never less accurate
       than the unfused bf16 reduce-scatter), at twice the bytes.
@@ -61,6 +64,7 @@ class Config:
   num_sms: int = DEFAULT_NUM_SMS
   eager_signal_steps: int = 0
   comm_ctas: int = 0
+  out_slots: int = 0
   partial_dtype: str = "bfloat16"
 
   def __post_init__(self):
@@ -88,6 +92,8 @@ class Config:
       raise ValueError(f"num_sms={self.num_sms} must be >= 1")
     if self.eager_signal_steps < 0:
       raise ValueError(f"eager_signal_steps={self.eager_signal_steps} must be >= 0")
+    if self.out_slots < 0:
+      raise ValueError(f"out_slots={self.out_slots} must be >= 0 (0: the default of 2)")
     if self.comm_ctas < 0:
       raise ValueError(f"comm_ctas={self.comm_ctas} must be >= 0")
     if self.partial_dtype not in PARTIAL_DTYPES:
@@ -104,7 +110,8 @@ class Config:
 
   @property
   def num_out_slots(self) -> int:
-    return min(2, (self.tile_m * self.tile_n) // (self.epi_tile_m * self.epi_tile_n))
+    sub_tiles = (self.tile_m * self.tile_n) // (self.epi_tile_m * self.epi_tile_n)
+    return min(self.out_slots or 2, sub_tiles)
 
   @property
   def partial_itemsize(self) -> int:
@@ -179,6 +186,15 @@ def with_partial_dtype(cfg: Config, partial_dtype: str, num_devices: int) -> Con
   shortened as far as needed to fit SMEM (the caller still checks the shape)."""
   cfg = dataclasses.replace(cfg, partial_dtype=partial_dtype,
                             epi_tile_n=_epi_tile_n(cfg.tile_n, partial_dtype))
+  return fit_smem(cfg, num_devices)
+
+
+def fit_smem(cfg: Config, num_devices: int) -> Config:
+  """`cfg` with the receive prefetch shortened (down to 1 stage), then the pipeline (down to 2
+  steps), until it fits SMEM; unchanged if it already does (the caller checks the result).
+  The pipeline goes last: its depth feeds the tensor cores on every tile."""
+  while not cfg.fits_smem(num_devices) and cfg.recv_stages > 1:
+    cfg = dataclasses.replace(cfg, recv_stages=cfg.recv_stages - 1)
   while not cfg.fits_smem(num_devices) and cfg.max_concurrent_steps > 2:
     cfg = dataclasses.replace(cfg, max_concurrent_steps=cfg.max_concurrent_steps - 1)
   return cfg
@@ -232,16 +248,17 @@ def search_space(*, m: int, n: int, k_shard: int, num_devices: int,
                  num_sms: int = DEFAULT_NUM_SMS) -> Iterator[Config]:
   """Every config the tuner may try for this shape: valid and within the SMEM limit."""
   partial_dtype = default_partial_dtype(num_devices)  # Fixed by the error rule, not tuned.
-  for tile_m, tile_n, steps, recv_stages, minor, width, eager, comm in itertools.product(
-      (64, 128), (64, 128), (2, 3, 4, 5), (1, 2, 4),
-      (MatmulDimension.N, MatmulDimension.M), (1, 4), (0, 1), (0, 2, 4)):
-    if num_devices == 1 and (recv_stages != 1 or eager or comm):
+  for tile_m, tile_n, steps, recv_stages, minor, width, eager, comm, out_slots in (
+      itertools.product((64, 128), (64, 128), (2, 3, 4, 5), (1, 2, 4),
+                        (MatmulDimension.N, MatmulDimension.M), (1, 4), (0, 1), (0, 2, 4),
+                        (0, 8))):
+    if num_devices == 1 and (recv_stages != 1 or eager or comm or out_slots):
       continue
     cfg = Config(tile_m=tile_m, tile_n=tile_n, tile_k=64, max_concurrent_steps=steps,
                  epi_tile_m=64, epi_tile_n=_epi_tile_n(tile_n, partial_dtype),
                  recv_stages=recv_stages, grid_minor_dim=minor, grid_tile_width=width,
                  num_sms=num_sms, eager_signal_steps=eager, comm_ctas=comm,
-                 partial_dtype=partial_dtype)
+                 out_slots=out_slots, partial_dtype=partial_dtype)
     try:
       cfg.check_shape(m=m, n=n, k_shard=k_shard, num_devices=num_devices)
     except NotImplementedError:

@@ -33,7 +33,6 @@ def _swizzled(block_minor_elems: int, dtype) -> tuple:
 
 
 ABLATIONS = frozenset({"comm", "reduce"})
-_COMM_SIGNAL_LAG = schedule.COMM_SIGNAL_LAG  # docs/design.md section 3.2.
 
 
 def _strided_loop(start, stride, total, body):
@@ -275,9 +274,11 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
     """Comm CTA `comm_index` of `num_comm`: for each peer in schedule order, pushes the staged
     tiles comm_index, +num_comm, ... (each compute warpgroup's half by the warpgroup of the same
     index) to the owner's receive slot and signals the owner once they have landed. Each tile
-    goes GMEM -> SMEM -> peer GMEM by TMA; `sets` SMEM buffers let the next tile's local load
-    overlap this tile's remote store."""
+    goes GMEM -> SMEM -> peer GMEM by TMA through `sets` SMEM buffers: the local loads run
+    `prefetch` tiles ahead, so their latency overlaps the remote stores."""
     sets = config.comm_buffer_sets
+    prefetch = max(1, sets - 1)
+    lag = schedule.COMM_SIGNAL_LAG
     comm_scoped = dict(
         buf=plgpu.SMEM((_NUM_COMPUTE_WGS, sets, tile_m, tile_n), part_dtype),
         barrier=plgpu.Barrier(num_barriers=_NUM_COMPUTE_WGS * sets),
@@ -302,9 +303,10 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
             plgpu.copy_gmem_to_smem(stage_local.at[step].at[tile_slices(tile, wg_idx)[2]],
                                     buf.at[wg_idx, s], barrier.at[wg_idx * sets + s])
 
-          @pl.when(count > 0)
-          def _():
-            load(0)
+          for i in range(prefetch):
+            @pl.when(i < count)
+            def _(i=i, load=load):
+              load(i)
 
           def push(j, carry, o=o, dst_recv=dst_recv, load=load):
             tile = tile_of(j)
@@ -312,19 +314,19 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
             plgpu.barrier_wait(barrier.at[wg_idx * sets + s])
             plgpu.copy_smem_to_gmem(buf.at[wg_idx, s], dst_recv.at[tile_slices(tile, wg_idx)[2]])
 
-            @pl.when(j >= _COMM_SIGNAL_LAG)
+            @pl.when(j + prefetch < count)
+            def _():
+              # Set (j + prefetch) % sets last held tile j + prefetch - sets; the
+              # sets - prefetch stores issued after it may still read SMEM, it may not.
+              plgpu.wait_smem_to_gmem(sets - prefetch, wait_read_only=True)
+              load(j + prefetch)
+
+            @pl.when(j >= lag)
             def _():
               # Tile j - lag has landed once at most `lag` later stores are pending. The lag
               # keeps that many tiles in flight on NVLink beyond what SMEM holds.
-              plgpu.wait_smem_to_gmem(_COMM_SIGNAL_LAG, wait_read_only=False)
-              transport.signal(sems, rank, o, tile_of(j - _COMM_SIGNAL_LAG), wg_idx)
-
-            @pl.when(j + 1 < count)
-            def _():
-              # Set (j + 1) % sets last held tile j + 1 - sets; the sets - 1 stores issued
-              # after it may still read SMEM, it may not.
-              plgpu.wait_smem_to_gmem(sets - 1, wait_read_only=True)
-              load(j + 1)
+              plgpu.wait_smem_to_gmem(lag, wait_read_only=False)
+              transport.signal(sems, rank, o, tile_of(j - lag), wg_idx)
             return carry
 
           lax.fori_loop(0, count, push, None)
@@ -334,7 +336,7 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
             transport.signal(sems, rank, o, tile_of(j), wg_idx)
             return carry
 
-          lax.fori_loop(jnp.maximum(count - _COMM_SIGNAL_LAG, 0), count, drain, None)
+          lax.fori_loop(jnp.maximum(count - lag, 0), count, drain, None)
 
   if num_comm and "comm" not in skip:
     @pl.when(cta < num_comm)

@@ -106,23 +106,37 @@ def max_rel_error(out, ref) -> float:
   return num / den
 
 
-def loopback_matmul_reduce_scatter(xs: jax.Array, ws: jax.Array) -> jax.Array:
+def loopback_matmul_reduce_scatter(xs: jax.Array, ws: jax.Array, *,
+                                   order: str = "source") -> jax.Array:
   """The unfused path emulated on one device, for the loopback comparisons.
 
   xs [D, m, k_shard], ws [D, k_shard, n] -> [D, m // D, n]. Each rank's f32-accumulated
   partial is rounded to the input dtype (what `psum_scatter` receives), then the partials are
-  summed in source order with a rounding after every add, as a reduce-scatter over bf16
-  buffers does. `lax.reduce_precision` keeps XLA from eliding those roundings (GPU XLA allows
-  excess precision by default, which would make this baseline more accurate than the real
-  unfused path).
+  summed with a rounding after every add, as a reduce-scatter over bf16 buffers does: in
+  source order 0, 1, ..., D-1 (`order="source"`), or as NCCL's ring reduce-scatter on the
+  identity ring, where chunk c adds sources c+1, c+2, ..., c (`order="ring"`; the same at
+  D = 2). `lax.reduce_precision` keeps XLA from eliding those roundings (GPU XLA allows excess
+  precision by default, which would make this baseline more accurate than the real unfused
+  path).
   """
+  if order not in ("source", "ring"):
+    raise ValueError(f"{order=} must be 'source' or 'ring'")
   d, m, _ = xs.shape
   dtype = xs.dtype
   info = jnp.finfo(dtype)
   rnd = lambda v: lax.reduce_precision(v, exponent_bits=info.nexp, mantissa_bits=info.nmant)
   parts = jnp.einsum("dmk,dkn->dmn", xs, ws, preferred_element_type=jnp.float32)
   parts = rnd(parts).reshape(d, d, m // d, -1)  # [src, dst, m // D, n]
-  acc = parts[0]
-  for src in range(1, d):
-    acc = rnd(acc + parts[src])
-  return acc.astype(dtype)
+  if order == "source":
+    acc = parts[0]
+    for src in range(1, d):
+      acc = rnd(acc + parts[src])
+    return acc.astype(dtype)
+  out = []
+  for c in range(d):
+    srcs = [(c + 1 + i) % d for i in range(d)]
+    acc = parts[srcs[0], c]
+    for src in srcs[1:]:
+      acc = rnd(acc + parts[src, c])
+    out.append(acc)
+  return jnp.stack(out).astype(dtype)

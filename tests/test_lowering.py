@@ -225,12 +225,14 @@ def test_eager_signal_configs_lower(eager):
 
 
 @pytest.mark.parametrize("d", [2, 8])
-@pytest.mark.parametrize("comm,partial_dtype", [(0, "float32"), (4, "bfloat16"), (2, "float32")])
-def test_comm_ctas_and_partial_dtypes_lower(d, comm, partial_dtype):
-  """The communication paths of docs/design.md 3.2 and both partial dtypes: under shard_map,
-  in loopback, and with the communication ablated (comm CTAs then idle)."""
-  base = config_lib.Config(comm_ctas=comm)
+@pytest.mark.parametrize("comm,out_slots,partial_dtype", [
+    (0, 0, "float32"), (4, 0, "bfloat16"), (2, 0, "float32"), (0, 4, "bfloat16")])
+def test_comm_ctas_and_partial_dtypes_lower(d, comm, out_slots, partial_dtype):
+  """The communication paths of docs/design.md 3.2, whole-tile epilogue slots and both partial
+  dtypes: under shard_map, in loopback, and with the communication ablated."""
+  base = config_lib.Config(comm_ctas=comm, out_slots=out_slots)
   cfg = config_lib.with_partial_dtype(base, partial_dtype, d)
+  assert cfg.num_out_slots == (out_slots or 2)
   assert cfg.fits_smem(d) and cfg.partial_dtype == partial_dtype
   _export_shard_map(1024, 1024, 1024, d, config=cfg)
   xs = jax.ShapeDtypeStruct((d, 256 * d, 256), jnp.bfloat16)
