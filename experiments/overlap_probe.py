@@ -36,6 +36,8 @@ _VARIANTS = flags.DEFINE_list(
     "variants", ["v1", "c2", "c4", "c8", "c16", "c4_f32", "direct_f32"],
     "Config variants (overlap_probe.variant_config): v1, cN, oN, f32/bf16 tokens, e.g. c4_bf16.")
 _ITERS = flags.DEFINE_integer("iterations", 40, "Timed iterations per variant.")
+_SCALE = flags.DEFINE_integer("scale", 1, "Divide the check cases' n and k_shard by this "
+                              "(plumbing tests on CPU).")
 _OUT = flags.DEFINE_string("out", "", "JSON output path.")
 
 
@@ -57,6 +59,11 @@ def variant_config(base, name: str):
   return config_lib.fit_smem(cfg, 2)
 
 
+def require_gpu(jax) -> None:
+  if jax.devices()[0].platform != "gpu":
+    raise app.UsageError("overlap_probe.py runs the Mosaic GPU kernel: it needs a Hopper GPU")
+
+
 def main(argv):
   del argv
   bench_env.configure_environment("auto")
@@ -68,9 +75,8 @@ def main(argv):
   from pallas_rs import config as config_lib  # pylint: disable=g-import-not-at-top
   from pallas_rs import fused, reference, shapes, testing, timing  # pylint: disable=g-import-not-at-top
 
+  require_gpu(jax)
   gpus = jax.devices()
-  if gpus[0].platform != "gpu":
-    raise app.UsageError("overlap_probe.py runs the Mosaic GPU kernel: it needs a Hopper GPU")
   d_nv = len(gpus)
   record = dict(environment=bench_env.environment_block(sys.argv), checks=[], rows=[])
   out_path = Path(_OUT.value) if _OUT.value else (
@@ -95,8 +101,10 @@ def main(argv):
 
   # ---------------------------------------------------------------- check
   if "check" in _WHAT.value:
-    cases = [("nvlink", d_nv, 512 * d_nv, 1024, 2048), ("nvlink", d_nv, 256 * d_nv, 768, 1536)]
-    cases += [("loopback", d, 128 * d * 2, 1024, 512) for d in (2, 4, 8)]
+    sc = _SCALE.value
+    cases = [("nvlink", d_nv, 512 * d_nv, 1024 // sc, 2048 // sc),
+             ("nvlink", d_nv, 256 * d_nv, 768 // sc, 1536 // sc)]
+    cases += [("loopback", d, 128 * d * 2, 1024 // sc, 512 // sc) for d in (2, 4, 8)]
     for transport, d, m, n, k_shard in cases:
       if transport == "nvlink" and d < 2:
         continue
