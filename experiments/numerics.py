@@ -406,6 +406,21 @@ def _emulation_matches(out, partials) -> dict:
   return res
 
 
+def _fused_rows(fused_fs, run, partials):
+  """Per partial dtype: how the kernel's output `run(f)` matches each fused emulation, or the
+  error that building (an Exception in fused_fs) or running it raised."""
+  rows = {}
+  for pd, f in fused_fs.items():
+    if isinstance(f, Exception):
+      rows[pd] = f"{type(f).__name__}: {f}"[:500]
+      continue
+    try:
+      rows[pd] = dict(vs_fused_emulation=_fused_matches(run(f), partials))
+    except Exception as e:  # pylint: disable=broad-except
+      rows[pd] = f"{type(e).__name__}: {e}"[:500]
+  return rows
+
+
 def _fused_matches(out, partials) -> dict:
   return {pd: _bits_equal_fraction(out, numerics.fused_owner_sum(partials, partial_dtype=pd))
           for pd in numerics.PARTIAL_DTYPES}
@@ -481,17 +496,8 @@ def baseline_multi_gpu(d, families, pds, out_path: Path) -> dict:
                  user_equals_with_partials=_bits_equal_fraction(out_user, out_parts),
                  user_vs_emulation=_emulation_matches(out_user, partials),
                  with_partials_vs_emulation=_emulation_matches(out_parts, partials))
-      fused_rows = {}
-      for pd, f in fused_fs.items():
-        if isinstance(f, Exception):
-          fused_rows[pd] = f"{type(f).__name__}: {f}"[:500]
-          continue
-        try:
-          out_f = np.asarray(f(x, w)).reshape(d, p["chunk"], p["n"])
-          fused_rows[pd] = dict(vs_fused_emulation=_fused_matches(out_f, partials))
-        except Exception as e:  # pylint: disable=broad-except
-          fused_rows[pd] = f"{type(e).__name__}: {e}"[:500]
-      row["fused_kernel"] = fused_rows
+      row["fused_kernel"] = _fused_rows(
+          fused_fs, lambda f: np.asarray(f(x, w)).reshape(d, p["chunk"], p["n"]), partials)
       res["inputs"].append(row)
   res["summary"] = _summarise_matches(res["inputs"])
   res["user_program_bit_exact_with"] = _exact(res["summary"], "user_vs_emulation")
@@ -538,16 +544,7 @@ def baseline_loopback(ds, families, pds, out_path: Path) -> list[dict]:
           partials = np.asarray(partials, np.float32)
           row = dict(family=fam, seed=s,
                      xla_emulation_vs_emulation=_emulation_matches(out_ref, partials))
-          fused_rows = {}
-          for pd, f in fused_fs.items():
-            if isinstance(f, Exception):
-              fused_rows[pd] = f"{type(f).__name__}: {f}"[:500]
-              continue
-            try:
-              fused_rows[pd] = dict(vs_fused_emulation=_fused_matches(f(xs, ws), partials))
-            except Exception as e:  # pylint: disable=broad-except
-              fused_rows[pd] = f"{type(e).__name__}: {e}"[:500]
-          row["fused_kernel"] = fused_rows
+          row["fused_kernel"] = _fused_rows(fused_fs, lambda f: f(xs, ws), partials)
           res["inputs"].append(row)
       res["summary"] = _summarise_matches(res["inputs"])
       res["xla_emulation_bit_exact_with"] = _exact(res["summary"], "xla_emulation_vs_emulation")
