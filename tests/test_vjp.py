@@ -12,6 +12,7 @@ import helpers
 import pallas_rs
 from pallas_rs import reference
 from pallas_rs import shapes
+from pallas_rs import testing
 from pallas_rs import vjp
 
 AXIS = helpers.AXIS
@@ -62,8 +63,8 @@ def autodiff_tolerance(dtype) -> float:
        for c in shapes.select("ci") if c.n % c.num_devices == 0])
 def test_vjp(case, scatter_dimension, implementation):
   mesh = helpers.make_mesh(case.num_devices)
-  inputs = helpers.make_inputs(case, seed=_seed(case.name, scatter_dimension))
-  x, w = helpers.put_operands(inputs, mesh)
+  inputs = testing.make_inputs(case, seed=_seed(case.name, scatter_dimension))
+  x, w = testing.put_operands(inputs, mesh, AXIS)
   # dy: distinct per device, [D, m // D, n] or [D, m, n // D] per-device blocks.
   dy_shape = helpers.reference_output(inputs, scatter_dimension).shape[1:]
   dys = helpers.random_per_device(dy_shape, case.num_devices, case.dtype,
@@ -122,10 +123,9 @@ def test_fused_backward_uses_gated_all_gather_matmul():
   # The backward of implementation="fused" goes through ag_matmul's gate; off Hopper it falls
   # back to XLA and must give exactly the XLA backward.
   mesh = helpers.make_mesh(4)
-  rng = np.random.default_rng(1)
-  x = rng.standard_normal((16, 8)).astype(np.float32)   # global [m, k]
-  w = rng.standard_normal((8, 6)).astype(np.float32)    # global [k, n]
-  dy = rng.standard_normal((16, 6)).astype(np.float32)  # global [m, n], rows sharded
+  x, w = (np.asarray(a) for a in testing.generate(1, 16, 8, 6, num_devices=4,
+                                                   dtype=jnp.float32))  # global [m, k], [k, n]
+  dy = np.random.default_rng(1).standard_normal((16, 6)).astype(np.float32)  # [m, n], rows sharded
 
   def bwd(impl, x, w, dy):
     return vjp._bwd(AXIS, 0, impl, None, (x, w), dy)
@@ -149,8 +149,8 @@ def test_fused_backward_uses_gated_all_gather_matmul():
 def test_grad_inside_jit_of_row_parallel_matmul():
   case = shapes.by_name("ci_f32_n96_d4")
   mesh = helpers.make_mesh(case.num_devices)
-  inputs = helpers.make_inputs(case)
-  x, w = helpers.put_operands(inputs, mesh)
+  inputs = testing.make_inputs(case)
+  x, w = testing.put_operands(inputs, mesh, AXIS)
 
   def loss(x, w):
     y = pallas_rs.row_parallel_matmul(x, w, mesh=mesh, axis_name=AXIS)
