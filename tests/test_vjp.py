@@ -97,10 +97,8 @@ def test_vjp(case, scatter_dimension, implementation):
 
 def test_all_gather_matmul_returns_gathered_operand():
   mesh = helpers.make_mesh(4)
-  rng = np.random.default_rng(0)
   for dim in (0, 1):
-    lhs = rng.standard_normal((16, 12)).astype(np.float32)  # global [m, n]
-    rhs = rng.standard_normal((12, 5)).astype(np.float32)
+    lhs, rhs = (np.asarray(a) for a in testing.generate(dim, 16, 12, 5, dtype=jnp.float32))
 
     def body(lhs_blk, rhs, dim=dim):
       out, full = reference.all_gather_matmul(lhs_blk, rhs, AXIS,
@@ -191,11 +189,9 @@ def _mlp_loss(h, w1, w2, *, op, mesh, check_vma):
 def test_mlp_gradient_matches_xla_only(dtype, check_vma):
   num_devices, m, d_model, d_ff = 4, 16, 32, 64
   mesh = helpers.make_mesh(num_devices)
-  rng = np.random.default_rng(1)
   np_dt = helpers.np_dtype(dtype)
-  h = rng.standard_normal((m, d_model)).astype(np_dt)
-  w1 = (rng.standard_normal((d_model, d_ff)) / np.sqrt(d_model)).astype(np_dt)
-  w2 = (rng.standard_normal((d_ff, d_model)) / np.sqrt(d_ff)).astype(np_dt)
+  h, w1 = (np.asarray(a) for a in testing.generate(1, m, d_model, d_ff, dtype=dtype))
+  w2 = np.asarray(testing.generate(2, m, d_ff, d_model, dtype=dtype)[1])
 
   def grads(op):
     loss = functools.partial(_mlp_loss, op=op, mesh=mesh, check_vma=check_vma)
