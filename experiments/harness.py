@@ -99,6 +99,10 @@ class Candidate:
   role: str = "baseline"
   hlo_probe: Callable[[Any], dict[str, Any]] | None = None
 
+  def __post_init__(self):
+    if self.role not in ROLES:
+      raise ValueError(f"role={self.role!r} must be one of {ROLES}")
+
 
 # ---------------------------------------------------------------------------
 # Reference and checks.

@@ -36,6 +36,17 @@ def _load(name, path):
   return sys.modules[name]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _forget_script_flags():
+  """The scripts' absl flags leave with this file, so that a later test file can load another
+  script that defines the same names (experiments/numerics.py's --mode)."""
+  yield
+  for name in ("matmul_rs_bench", "plot_results"):
+    if sys.modules.pop(name, None) is not None:
+      for flag in FLAGS.get_flags_for_module(name):
+        delattr(FLAGS, flag.name)
+
+
 @pytest.fixture(scope="module")
 def bench():
   module = _load("matmul_rs_bench", BENCH)
