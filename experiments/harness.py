@@ -9,6 +9,8 @@ Per shape, a list of `Candidate`s (functions to time and check) is run one by on
 (`run_candidate`: compile, time with `pallas_rs.timing`, check the output for fresh inputs
 against a numpy reference), then the shape's records are finished together: the error rule
 (ratio to the unfused candidate's error) and the overlap metrics need the baselines' records.
+A shape's numpy reference is computed once, at its first check (memoized: no record depends on
+the order in which candidates run).
 
 Imports jax: import this module after `bench_env.configure_environment` (smoke mode sets
 XLA_FLAGS before jax is first imported).
