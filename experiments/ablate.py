@@ -41,7 +41,7 @@ def main(argv):
   del argv
   mode = bench_env.configure_environment("auto")
   import jax  # pylint: disable=g-import-not-at-top
-  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from pallas_rs import fused, reference, shapes, testing, timing  # pylint: disable=g-import-not-at-top
 
@@ -53,15 +53,14 @@ def main(argv):
     case = shapes.by_name(name)
     d = len(gpus) if nvlink else _NUM_DEVICES.value
     m, n, k_shard = case.m, case.n, case.k // d
-    xs, ws = testing.stacked_inputs(0, d, m, k_shard, n)
     row = dict(name=name, d=d, transport="nvlink" if nvlink else "loopback", times_us={})
     if nvlink:
       mesh = jax.make_mesh((d,), ("tp",), devices=gpus[:d])
       specs = dict(mesh=mesh, in_specs=(P(None, "tp"), P("tp", None)),
                    out_specs=P("tp", None), check_vma=False)
-      x = jax.device_put(jnp.concatenate(list(xs), axis=1), NamedSharding(mesh, P(None, "tp")))
-      w = jax.device_put(jnp.concatenate(list(ws), axis=0), NamedSharding(mesh, P("tp", None)))
-      args = (x, w)
+      args = testing.generate(0, m, d * k_shard, n, num_devices=d,
+                              shardings=testing.row_parallel_shardings(mesh, "tp"))
+      ref = testing.stacked_reference(*testing.split_inputs(*args, d))
       build = lambda ablate: jax.jit(jax.shard_map(functools.partial(
           fused.fused_matmul_reduce_scatter, axis_name="tp", num_devices=d, ablate=ablate),
           **specs))
@@ -72,18 +71,16 @@ def main(argv):
               lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(a.dtype),
               **dict(specs, out_specs=P(None, "tp")))),
       }
-      check = lambda out: reference.max_rel_error(
-          jax.device_get(out).astype("float32").reshape(d, m // d, n),
-          testing.stacked_reference(xs, ws))
+      check = lambda out: reference.max_rel_error(jax.device_get(out).reshape(d, m // d, n), ref)
     else:
-      args = (xs, ws)
+      args = testing.stacked_inputs(0, d, m, k_shard, n)
+      ref = testing.stacked_reference(*args)
       build = lambda ablate: jax.jit(functools.partial(
           fused.loopback_matmul_reduce_scatter, ablate=ablate))
       baselines = {"xla_seq": jax.jit(reference.loopback_matmul_reduce_scatter),
                    "xla_gemm": jax.jit(lambda a, b: jnp.einsum(
                        "dmk,dkn->dmn", a, b, preferred_element_type=jnp.float32).astype(a.dtype))}
-      check = lambda out: reference.max_rel_error(
-          jax.device_get(out).astype("float32"), testing.stacked_reference(xs, ws))
+      check = lambda out: reference.max_rel_error(jax.device_get(out), ref)
     fns = {label: build(ablate) for label, ablate in VARIANTS.items()} | baselines
     for label, fn in fns.items():
       t = timing.time_function(fn, args, iterations=_ITERS.value, num_devices=d if nvlink else 1)

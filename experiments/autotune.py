@@ -102,14 +102,6 @@ def _merge_into_table(path: str, entries: list[dict]) -> None:
 # ---------------------------------------------------------------------------
 
 
-def _rel_err(out, ref) -> float:
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  out = jnp.asarray(out, jnp.float32)
-  ref = jnp.asarray(ref, jnp.float32)
-  den = float(jnp.max(jnp.abs(ref)))
-  return float(jnp.max(jnp.abs(out - ref))) / den if den else 0.0
-
-
 def _short(cfg) -> str:
   if cfg is None:
     return "-"
@@ -121,6 +113,7 @@ def _short(cfg) -> str:
 def time_candidate(label: str, fn, args, ref, *, num_devices: int,
                    xla_err: float | None, cfg=None) -> dict[str, Any]:
   """Times and checks one function; SMEM/NotImplemented are recorded, not raised."""
+  from pallas_rs import reference  # pylint: disable=g-import-not-at-top
   from pallas_rs import timing  # pylint: disable=g-import-not-at-top
   from pallas_rs import tuning  # pylint: disable=g-import-not-at-top
   rec: dict[str, Any] = {"label": label,
@@ -139,7 +132,7 @@ def time_candidate(label: str, fn, args, ref, *, num_devices: int,
       raise
     rec.update(status="smem", error=str(e).splitlines()[0][:500])
     return rec
-  err = _rel_err(out, ref)
+  err = float(reference.max_rel_error_on_device(out, ref))
   ok = xla_err is None or err <= FLAGS.max_error_ratio * xla_err + 1e-6
   rec.update(status="ok" if ok else "wrong", timer=t.timer,
              median_us=t.median_us, times_us=[float(v) for v in t.times_us],
@@ -175,14 +168,11 @@ def tune_single_gpu(case, env) -> tuple[list[dict], list[dict]]:
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from pallas_rs import fused  # pylint: disable=g-import-not-at-top
   from pallas_rs import candidates  # pylint: disable=g-import-not-at-top
-  from pallas_rs import tuning  # pylint: disable=g-import-not-at-top
+  from pallas_rs import testing  # pylint: disable=g-import-not-at-top
 
   m, n, k_shard = case.m, case.n, case.k_shard
   gpu_kind = env["device_kind"]
-  kx, kw = jax.random.split(jax.random.key(FLAGS.seed))
-  x = jax.random.normal(kx, (m, k_shard), jnp.float32).astype(jnp.bfloat16)
-  w = (jax.random.normal(kw, (k_shard, n), jnp.float32)
-       / k_shard ** 0.5).astype(jnp.bfloat16)
+  x, w = testing.generate(FLAGS.seed, m, k_shard, n)
   ref = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32,
                                      precision="highest"))(x, w)
   xla_fn = jax.jit(lambda a, b: jnp.dot(
@@ -224,6 +214,7 @@ def tune_loopback(case, ranked, env):
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from pallas_rs import fused  # pylint: disable=g-import-not-at-top
   from pallas_rs import candidates  # pylint: disable=g-import-not-at-top
+  from pallas_rs import testing  # pylint: disable=g-import-not-at-top
   from pallas_rs import tuning  # pylint: disable=g-import-not-at-top
 
   d = FLAGS.num_devices or case.num_devices
@@ -238,10 +229,7 @@ def tune_loopback(case, ranked, env):
       cfgs.append(cfg)
   if not cfgs:
     return [], None
-  kx, kw = jax.random.split(jax.random.key(FLAGS.seed + 1))
-  xs = jax.random.normal(kx, (d, m, k_shard), jnp.float32).astype(jnp.bfloat16)
-  ws = (jax.random.normal(kw, (d, k_shard, n), jnp.float32)
-        / case.k ** 0.5).astype(jnp.bfloat16)
+  xs, ws = testing.stacked_inputs(FLAGS.seed + 1, d, m, k_shard, n)
 
   def partials(a, b):
     return jnp.einsum("dmk,dkn->dmn", a, b, preferred_element_type=jnp.float32)
@@ -282,13 +270,12 @@ def tune_multi_gpu(case, env) -> tuple[list[dict], list[dict]]:
   import jax  # pylint: disable=g-import-not-at-top
   from jax import lax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
+  from pallas_rs import candidates  # pylint: disable=g-import-not-at-top
   from pallas_rs import fused  # pylint: disable=g-import-not-at-top
   from pallas_rs import reference  # pylint: disable=g-import-not-at-top
-  from pallas_rs import candidates  # pylint: disable=g-import-not-at-top
-  from pallas_rs import tuning  # pylint: disable=g-import-not-at-top
+  from pallas_rs import testing  # pylint: disable=g-import-not-at-top
 
   devices = jax.devices()
   d = FLAGS.num_devices or len(devices)
@@ -302,16 +289,8 @@ def tune_multi_gpu(case, env) -> tuple[list[dict], list[dict]]:
   mesh = jax.sharding.Mesh(np.array(devices[:d]), (AXIS,))
   x_spec, w_spec, out_spec = P(None, AXIS), P(AXIS, None), P(AXIS, None)
 
-  @functools.partial(jax.jit, out_shardings=(NamedSharding(mesh, x_spec),
-                                             NamedSharding(mesh, w_spec)))
-  def gen(key):
-    kx, kw = jax.random.split(key)
-    x = jax.random.normal(kx, (m, case.k), jnp.float32).astype(jnp.bfloat16)
-    w = (jax.random.normal(kw, (case.k, n), jnp.float32)
-         / case.k ** 0.5).astype(jnp.bfloat16)
-    return x, w
-
-  x, w = gen(jax.random.key(FLAGS.seed))
+  x, w = testing.generate(FLAGS.seed, m, case.k, n, num_devices=d,
+                          shardings=testing.row_parallel_shardings(mesh, AXIS))
 
   def smap(body):
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(x_spec, w_spec),
@@ -359,6 +338,7 @@ def tune_ag_multi_gpu(case, env) -> tuple[list[dict], list[dict]]:
   import numpy as np  # pylint: disable=g-import-not-at-top
   from pallas_rs import ag_matmul  # pylint: disable=g-import-not-at-top
   from pallas_rs import reference  # pylint: disable=g-import-not-at-top
+  from pallas_rs import testing  # pylint: disable=g-import-not-at-top
 
   devices = jax.devices()
   d = FLAGS.num_devices or len(devices)
@@ -372,15 +352,9 @@ def tune_ag_multi_gpu(case, env) -> tuple[list[dict], list[dict]]:
   mesh = jax.sharding.Mesh(np.array(devices[:d]), (AXIS,))
   m, k, n = prob["m_shard"] * d, prob["k"], prob["n"]
 
-  @functools.partial(jax.jit, out_shardings=(NamedSharding(mesh, P(AXIS, None)),
-                                             NamedSharding(mesh, P(None, AXIS))))
-  def gen(key):
-    kx, kw = jax.random.split(key)
-    lhs = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
-    rhs = (jax.random.normal(kw, (k, n * d), jnp.float32) / k ** 0.5).astype(jnp.bfloat16)
-    return lhs, rhs
-
-  lhs, rhs = gen(jax.random.key(FLAGS.seed))
+  # lhs [m, k] gathered along rows, rhs [k, n * D] column-sharded: the operands of `generate`.
+  lhs, rhs = testing.generate(FLAGS.seed, m, k, n * d, shardings=(
+      NamedSharding(mesh, P(AXIS, None)), NamedSharding(mesh, P(None, AXIS))))
 
   def smap(body):
     return jax.jit(jax.shard_map(lambda a, b: body(a, b)[0], mesh=mesh,

@@ -1,7 +1,7 @@
 """The harness's results schema, shared by matmul_rs_bench.py, plot_results.py and the tests.
 
 One record per (shape, implementation, mode); `validate_record` is the schema. No flags and no
-jax at module level (the harness sets XLA_FLAGS before jax is first imported).
+jax at module level (the main sets XLA_FLAGS before jax is first imported).
 """
 from __future__ import annotations
 
@@ -17,18 +17,22 @@ SCHEMA_VERSION = 1
 RESOLVED_MODES = ("smoke", "single_gpu", "multi_gpu")
 TIMERS = ("auto", "cupti", "host_wall_clock")
 AXIS = "tp"
-# Implementations of the op itself (timed against the baselines).
-OVERLAP_IMPLEMENTATIONS = ("fused", "xla", "auto")
 BASELINES = ("gemm", "comm", "seq")
 PEER = "xla_windowed_einsum"
 LOCAL = ("local_xla", "local_fused")
 LOOPBACK = ("loopback_gemm", "loopback_reference", "loopback_fused")
-ALL_IMPLEMENTATIONS = BASELINES + OVERLAP_IMPLEMENTATIONS + (PEER,) + LOCAL + LOOPBACK
 WINDOWED_EINSUM_OPTION = "xla_gpu_threshold_for_windowed_einsum_mib"
 
 # ---------------------------------------------------------------------------
 # Records.
 # ---------------------------------------------------------------------------
+
+
+def all_implementations() -> tuple[str, ...]:
+  """Every record's possible implementation: the baselines, the op's own
+  (`pallas_rs.gate.IMPLEMENTATIONS`), the XLA peer, single_gpu's LOCAL and LOOPBACK."""
+  from pallas_rs.gate import IMPLEMENTATIONS  # pylint: disable=g-import-not-at-top  (jax)
+  return BASELINES + IMPLEMENTATIONS + (PEER,) + LOCAL + LOOPBACK
 
 
 def shape_block(case, num_devices: int | None = None) -> dict[str, Any]:
@@ -51,7 +55,7 @@ def validate_record(record: dict[str, Any]) -> None:
   Schema (one record per (shape, implementation, mode)):
     mode: "smoke" | "single_gpu" | "multi_gpu".
     shape: {name, m, n, k, num_devices, k_shard, m_shard, dtype}.
-    implementation: one of ALL_IMPLEMENTATIONS.
+    implementation: one of all_implementations().
     status: "ok" | "unavailable: <reason>" | "failed: <reason>".
     timer: "cupti" | "host_wall_clock" (None unless ok).
     performance_claims: False for the host wall clock.
@@ -76,9 +80,9 @@ def validate_record(record: dict[str, Any]) -> None:
       raise ValueError(f"record[{key!r}]={record[key]!r} has the wrong type")
   if record["mode"] not in RESOLVED_MODES:
     raise ValueError(f"record['mode']={record['mode']!r} not in {RESOLVED_MODES}")
-  if record["implementation"] not in ALL_IMPLEMENTATIONS:
+  if record["implementation"] not in all_implementations():
     raise ValueError(f"record['implementation']={record['implementation']!r} "
-                     f"not in {ALL_IMPLEMENTATIONS}")
+                     f"not in {all_implementations()}")
   shape = record["shape"]
   for key in ("m", "n", "k", "num_devices", "k_shard", "m_shard"):
     if not isinstance(shape.get(key), int) or shape[key] <= 0:

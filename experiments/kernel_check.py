@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 import time
 
 from absl import app
@@ -26,6 +27,8 @@ from pallas_rs import reference
 from pallas_rs import shapes as shapes_lib
 from pallas_rs import testing
 
+import bench_env  # pylint: disable=g-bad-import-order  (experiments/, sys.path[0] as a script)
+
 _WHAT = flags.DEFINE_enum("what", "correct", ["correct", "perf", "stress"], "Which check.")
 _OUT = flags.DEFINE_string("out", None, "JSON output path.")
 _ITERS = flags.DEFINE_integer("iterations", 50, "Timed iterations per measurement.")
@@ -38,11 +41,6 @@ PAIRS = shapes_lib.SEED_NK_PAIRS
 _xla_loopback = jax.jit(reference.loopback_matmul_reduce_scatter)
 
 
-def _rel_err(out, ref):
-  out = np.asarray(out.astype(jnp.float32), np.float64)
-  return float(np.max(np.abs(out - ref)) / np.max(np.abs(ref)))
-
-
 def check(d, m, n, k, seed, config=None):
   xs, ws = testing.stacked_inputs(jax.random.key(seed), d, m, k // d, n)
   ref = testing.stacked_reference(xs, ws)
@@ -53,7 +51,7 @@ def check(d, m, n, k, seed, config=None):
     out = jax.jit(lambda a, b: fused.loopback_matmul_reduce_scatter(a, b, config=config))(xs, ws)
     base = _xla_loopback(xs, ws)
   out = jax.block_until_ready(out)
-  e_f, e_x = _rel_err(out, ref), _rel_err(base, ref)
+  e_f, e_x = reference.max_rel_error(out, ref), reference.max_rel_error(base, ref)
   nan = bool(np.isnan(np.asarray(out.astype(jnp.float32))).any())
   return dict(d=d, m=m, n=n, k=k, err_fused=e_f, err_xla=e_x, ratio=e_f / e_x, nan=nan,
               ok=(not nan) and e_f <= 1.1 * e_x)
@@ -98,9 +96,7 @@ def run_perf():
     if names and case.name not in names:
       continue
     m, n, k_shard, d = case.m, case.n, case.k // case.num_devices, case.num_devices
-    kx, kw = jax.random.split(jax.random.key(0))
-    x = jax.random.normal(kx, (m, k_shard), jnp.bfloat16)
-    w = jax.random.normal(kw, (k_shard, n), jnp.bfloat16)
+    x, w = testing.generate(0, m, k_shard, n)
     r = dict(name=case.name, m=m, n=n, k_shard=k_shard)
     xla = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(a.dtype))
     r["t_xla_dot_us"] = _time(xla, x, w)
@@ -127,12 +123,9 @@ def run_perf():
 @jax.jit
 def _errors(out, base, xs, ws):
   """Max relative errors of the fused output and of the unfused baseline vs an f32 reference."""
-  d, m, _ = xs.shape
-  ref = jnp.einsum("dmk,dkn->mn", xs.astype(jnp.float32), ws.astype(jnp.float32),
-                   precision=jax.lax.Precision.HIGHEST).reshape(d, m // d, -1)
-  scale = jnp.max(jnp.abs(ref))
-  err = lambda o: jnp.max(jnp.abs(o.astype(jnp.float32) - ref)) / scale
-  return err(out), err(base)
+  ref = testing.device_reference(xs, ws)
+  return (reference.max_rel_error_on_device(out, ref),
+          reference.max_rel_error_on_device(base, ref))
 
 
 def run_stress():
@@ -154,8 +147,7 @@ def run_stress():
 
 
 def main(_):
-  env = dict(jax=jax.__version__, devices=[str(x) for x in jax.devices()],
-             date=time.strftime("%Y-%m-%d %H:%M:%S"))
+  env = bench_env.environment_block(sys.argv)
   rows = {"correct": run_correct, "perf": run_perf, "stress": run_stress}[_WHAT.value]()
   if _OUT.value:
     with open(_OUT.value, "w") as f:

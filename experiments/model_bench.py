@@ -79,7 +79,6 @@ from bench_env import fmt  # pylint: disable=g-import-not-at-top,wrong-import-po
 
 AXIS = "tp"
 MODES = ("smoke", "single_gpu", "multi_gpu")
-IMPLEMENTATIONS = ("xla", "fused", "auto")
 NO_COMM = "no_comm"
 PASSES = ("forward", "forward_backward")
 LAYERS = ("qkv", "o_proj", "gate_up", "down_proj")  # pallas_rs.model.LAYERS (no jax import here)
@@ -105,8 +104,8 @@ flags.DEFINE_list("m", None, f"Global token counts M; default {GPU_MS} on "
 flags.DEFINE_integer("num_devices", None, "D. multi_gpu: default all visible "
                      "GPUs; smoke: default 8; single_gpu: the D whose "
                      "per-device share is run (default 8).")
-flags.DEFINE_list("implementations", ",".join(IMPLEMENTATIONS),
-                  f"Among {IMPLEMENTATIONS}; xla and no_comm always run.")
+flags.DEFINE_list("implementations", "xla,fused,auto",
+                  "Among pallas_rs.gate.IMPLEMENTATIONS; xla and no_comm always run.")
 flags.DEFINE_list("passes", ",".join(PASSES), f"Among {PASSES}.")
 flags.DEFINE_integer("iterations", 50, "Timed iterations (smoke: "
                      f"{SMOKE_ITERATIONS} unless given).")
@@ -130,15 +129,6 @@ def _dims(mode: str, num_devices: int) -> dict[str, int]:
     for key in ("heads", "kv_heads", "ffn"):
       dims[key] //= num_devices
   return dims
-
-
-def _max_rel_error(out, ref) -> float:
-  from pallas_rs import reference  # pylint: disable=g-import-not-at-top
-  import jax  # pylint: disable=g-import-not-at-top
-  errs = [reference.max_rel_error(np.asarray(a, np.float64),
-                                  np.asarray(b, np.float64))
-          for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref))]
-  return max(errs)
 
 
 def _resolved(dims, m: int, d: int, implementation: str) -> dict[str, str]:
@@ -191,21 +181,21 @@ def _functions(mesh, dims, variant):
 
 
 def _inputs(mesh, dims, m: int, d: int, seed: int):
-  """Params and h generated in their shardings (bf16)."""
+  """Params (model.init_params) and h [m, hidden] (testing.activations), bf16, generated in
+  their shardings."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
   from pallas_rs import model  # pylint: disable=g-import-not-at-top
+  from pallas_rs import testing  # pylint: disable=g-import-not-at-top
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s),
                            model.param_specs(AXIS))
   init = functools.partial(model.init_params, num_devices=d,
                            dtype=jnp.bfloat16, **dims)
   params = jax.jit(init, out_shardings=shardings)(jax.random.key(seed))
-  h = jax.jit(lambda k: jax.random.normal(k, (m, dims["hidden"]),
-                                          jnp.bfloat16),
-              out_shardings=NamedSharding(mesh, P(AXIS, None)))(
-                  jax.random.key(seed + 1))
+  h = testing.activations(seed + 1, m, dims["hidden"],
+                          sharding=NamedSharding(mesh, P(AXIS, None)))
   return params, h
 
 
@@ -219,6 +209,7 @@ def _step_us(record) -> float | None:
 def sweep(mode: str, implementations: Sequence[str]) -> list[dict[str, Any]]:
   import jax  # pylint: disable=g-import-not-at-top
   from jax.sharding import Mesh  # pylint: disable=g-import-not-at-top
+  from pallas_rs import reference  # pylint: disable=g-import-not-at-top
   from pallas_rs import timing as timing_lib  # pylint: disable=g-import-not-at-top
 
   devices = jax.devices()
@@ -278,8 +269,9 @@ def sweep(mode: str, implementations: Sequence[str]) -> list[dict[str, Any]]:
             raise
           logging.exception("%s m=%d %s", impl, m, pass_name)
           record["status"] = f"failed: {type(e).__name__}: {e}"
-        if impl in IMPLEMENTATIONS and impl != "xla" and impl in outputs:
-          err = _max_rel_error(outputs[impl], outputs["xla"])
+        if not impl.startswith(NO_COMM) and impl != "xla" and impl in outputs:
+          err = max(reference.max_rel_error(a, b) for a, b in zip(
+              jax.tree.leaves(outputs[impl]), jax.tree.leaves(outputs["xla"])))
           record["check"] = {"max_rel_error": err, "reference": "xla block",
                              "tolerance": CHECK_TOL[pass_name],
                              "passed": err <= CHECK_TOL[pass_name]}
@@ -288,7 +280,7 @@ def sweep(mode: str, implementations: Sequence[str]) -> list[dict[str, Any]]:
       t_xla, t_local = _step_us(by_impl["xla"]), _step_us(by_impl[NO_COMM])
       for impl, record in by_impl.items():
         t_impl = _step_us(record)
-        if impl not in IMPLEMENTATIONS or t_impl is None:
+        if impl.startswith(NO_COMM) or t_impl is None:
           continue
         exposed = None if t_local is None else t_impl - t_local
         record["metrics"] = {
@@ -332,11 +324,12 @@ def main(argv: Sequence[str]) -> int:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
   mode = bench_env.configure_environment(FLAGS.mode)
   implementations = list(FLAGS.implementations)
-  bad = set(implementations) - set(IMPLEMENTATIONS)
+  import jax  # pylint: disable=g-import-not-at-top
+  from pallas_rs import gate  # pylint: disable=g-import-not-at-top
+  bad = set(implementations) - set(gate.IMPLEMENTATIONS)
   if bad:
     raise app.UsageError(f"--implementations: {sorted(bad)} not in "
-                         f"{IMPLEMENTATIONS}")
-  import jax  # pylint: disable=g-import-not-at-top
+                         f"{gate.IMPLEMENTATIONS}")
   if mode == "smoke" and jax.default_backend() != "cpu":
     raise app.UsageError("smoke mode runs on CPU (JAX_PLATFORMS=cpu)")
   records = sweep(mode, implementations)

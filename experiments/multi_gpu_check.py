@@ -30,13 +30,13 @@ from absl import flags
 import jax
 from jax import lax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import numpy as np
 
 from pallas_rs import fused
 from pallas_rs import reference
 from pallas_rs import shapes
+from pallas_rs import testing
 
 import bench_env  # pylint: disable=g-import-not-at-top,wrong-import-position  (experiments/)
 
@@ -72,39 +72,28 @@ def _sharded_fns(d: int):
       P(_AXIS, None), P())))), jax.jit(jax.shard_map(u, **specs)))
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
-def _inputs(seed, d, m, n, k):
-  kx, kw = jax.random.split(jax.random.key(seed))  # seed: traced int
-  scale = jnp.repeat(1.0 + jnp.arange(d, dtype=jnp.float32) / d, k // d)  # distinct per rank
-  x = (jax.random.normal(kx, (m, k)) * scale).astype(jnp.bfloat16)
-  w = (jax.random.normal(kw, (k, n)) / np.sqrt(k)).astype(jnp.bfloat16)
-  return x, w
-
-
-@jax.jit
-def _errors(out, base, x, w):
-  ref = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32), precision=lax.Precision.HIGHEST)
-  scale = jnp.max(jnp.abs(ref))
-  err = lambda o: jnp.max(jnp.abs(o.astype(jnp.float32) - ref)) / scale
-  return err(out), err(base)
+@functools.partial(jax.jit, static_argnums=4)
+def _errors(out, base, x, w, d):
+  """Max relative errors of the fused output and the unfused one ([m, n]) vs an f32 reference."""
+  ref = testing.device_reference(*testing.split_inputs(x, w, d)).reshape(out.shape)
+  return (reference.max_rel_error_on_device(out, ref),
+          reference.max_rel_error_on_device(base, ref))
 
 
 @functools.partial(jax.jit, static_argnums=2)
 def _loopback_pair(x, w, d):
   """Fused loopback and the unfused emulation on one GPU, from global x [m, k], w [k, n]."""
   m, n = x.shape[0], w.shape[1]
-  xs = jnp.stack(jnp.split(x, d, axis=1))
-  ws = jnp.stack(jnp.split(w, d, axis=0))
+  xs, ws = testing.split_inputs(x, w, d)
   return (fused.loopback_matmul_reduce_scatter(xs, ws).reshape(m, n),
           reference.loopback_matmul_reduce_scatter(xs, ws).reshape(m, n))
 
 
 def run_one(d, m, n, k, seed, mode):
-  x, w = _inputs(seed, d, m, n, k)
   if mode == "nvlink":
     mesh, f, u = _sharded_fns(d)
-    x = jax.device_put(x, NamedSharding(mesh, P(None, _AXIS)))
-    w = jax.device_put(w, NamedSharding(mesh, P(_AXIS, None)))
+    x, w = testing.generate(seed, m, k, n, num_devices=d,
+                            shardings=testing.row_parallel_shardings(mesh, _AXIS))
     out, total = f(x, w)
     base = u(x, w)
     if not np.isclose(float(total), float(jnp.sum(x.astype(jnp.float32))), rtol=1e-3):
@@ -112,9 +101,10 @@ def run_one(d, m, n, k, seed, mode):
     out, base = jax.device_get(out), jax.device_get(base)
     x, w = jax.device_get(x), jax.device_get(w)
   else:  # One GPU: the same protocol with D virtual ranks.
+    x, w = testing.generate(seed, m, k, n, num_devices=d)
     out, base = _loopback_pair(x, w, d)
   e_f, e_x = (float(e) for e in _errors(jnp.asarray(out), jnp.asarray(base), jnp.asarray(x),
-                                        jnp.asarray(w)))
+                                        jnp.asarray(w), d))
   return dict(d=d, m=m, n=n, k=k, mode=mode, err_fused=e_f, err_unfused=e_x,
               ratio=e_f / e_x, ok=bool(e_f <= 1.1 * e_x))
 

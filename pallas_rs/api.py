@@ -22,8 +22,6 @@ from pallas_rs import gate
 from pallas_rs import platform
 from pallas_rs import vjp
 
-IMPLEMENTATIONS = gate.IMPLEMENTATIONS
-
 
 def _normalize_scatter_dimension(scatter_dimension) -> int:
   if scatter_dimension not in (0, 1, -2, -1) or isinstance(scatter_dimension,

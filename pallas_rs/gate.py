@@ -22,7 +22,9 @@ from pallas_rs import ag_matmul
 from pallas_rs import platform
 from pallas_rs import tuning
 
-IMPLEMENTATIONS = ("auto", "fused", "xla")
+# The `implementation=` values of the ops (the one definition; experiments import it): "auto", or
+# one of the choices a tuning-table entry makes.
+IMPLEMENTATIONS = ("auto", *tuning.CHOICES)
 
 
 class Resolved(NamedTuple):

@@ -63,6 +63,7 @@ import numpy as np
 
 from pallas_rs import reference
 from pallas_rs import schedule
+from pallas_rs.testing import split_inputs  # Re-exported: the per-rank view of `family_inputs`.
 
 RULE_BOUND = 1.1
 # The values of Config.partial_dtype (pallas_rs/config.py; kept here so that importing this module
@@ -321,15 +322,3 @@ def family_inputs(key, family, *, m: int, k: int, n: int):
   # inputs, and would then see the unrounded fp32 values; rounded values survive that.
   rnd = lambda v: jax.lax.reduce_precision(v, exponent_bits=8, mantissa_bits=7)
   return rnd(x).astype(jnp.bfloat16), rnd(w).astype(jnp.bfloat16)
-
-
-def split_inputs(x, w, num_devices: int):
-  """Global x [m, k], w [k, n] -> xs [D, m, k / D], ws [D, k / D, n] (rank d: k-slice d).
-  Works on numpy and jax arrays."""
-  m, k = x.shape
-  if k % num_devices:
-    raise ValueError(f"k={k} not divisible by D={num_devices}")
-  ks = k // num_devices
-  xs = x.reshape(m, num_devices, ks).transpose(1, 0, 2)
-  ws = w.reshape(num_devices, ks, w.shape[1])
-  return xs, ws

@@ -1,26 +1,127 @@
-"""Inputs and references shared by the GPU tests and the one-GPU experiment scripts."""
+"""Row-parallel operands for the tests and experiments (the one input generator), and oracles.
+
+Rank r of D holds the k-slice r of the global operands (docs/design.md section 1):
+x_r = x[:, r k/D : (r+1) k/D] [m, k/D] and w_r = w[r k/D : (r+1) k/D] [k/D, n]. `operands`
+draws the global x [m, k], w [k, n] (`generate`: compiled, optionally in their shardings;
+`activations`: x alone); `split_inputs` is the stacked per-rank view xs [D, m, k/D],
+ws [D, k/D, n] of the same data. The data is random normal, never zero,
+different on every rank (rank r's x is scaled by 1 + r / D, so a swapped, missing or duplicated
+rank changes the result), and the outputs are O(1) (w is scaled by 1 / sqrt(k)).
+"""
 from __future__ import annotations
+
+import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 import numpy as np
+
+
+def operands(key, m: int, k: int, n: int, *, num_devices: int = 1,
+             dtype=jnp.bfloat16) -> tuple[jax.Array, jax.Array]:
+  """Global x [m, k] and w [k, n] in `dtype`, rank r's k-slice of x scaled by 1 + r / D.
+
+  Traceable (jit, vmap). `key`: a PRNG key or an int seed (traced or not). At D = 1, x is
+  exactly N(0, 1) rounded to `dtype`.
+  """
+  if k % num_devices:
+    raise ValueError(f"k={k} not divisible by num_devices={num_devices}")
+  if not jnp.issubdtype(getattr(key, "dtype", int), jax.dtypes.prng_key):
+    key = jax.random.key(key)
+  kx, kw = jax.random.split(key)
+  rank_scale = 1.0 + jnp.arange(num_devices, dtype=jnp.float32) / num_devices
+  x = jax.random.normal(kx, (m, k), jnp.float32) * jnp.repeat(rank_scale, k // num_devices)
+  w = jax.random.normal(kw, (k, n), jnp.float32) / np.sqrt(k)
+  return x.astype(dtype), w.astype(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _generator(m, k, n, num_devices, dtype, shardings):
+  return jax.jit(functools.partial(operands, m=m, k=k, n=n, num_devices=num_devices,
+                                   dtype=dtype), out_shardings=shardings)
+
+
+def generate(key, m: int, k: int, n: int, *, num_devices: int = 1, dtype=jnp.bfloat16,
+             shardings=None) -> tuple[jax.Array, jax.Array]:
+  """`operands`, compiled once per shape; with `shardings` (x's, w's, e.g.
+  `row_parallel_shardings`) each device generates only its own blocks."""
+  if isinstance(key, int):
+    key = jax.random.key(key)  # Python ints beyond int32 (crc32 seeds) too.
+  return _generator(m, k, n, num_devices, jnp.dtype(dtype), shardings)(key)
+
+
+@functools.lru_cache(maxsize=None)
+def _activations(m, k, dtype, sharding):
+  return jax.jit(lambda key: operands(key, m, k, 1, dtype=dtype)[0], out_shardings=sharding)
+
+
+def activations(key, m: int, k: int, *, dtype=jnp.bfloat16, sharding=None) -> jax.Array:
+  """x [m, k] of `generate` at D = 1 alone (N(0, 1)), e.g. a block's input; `sharding`:
+  generated in place."""
+  if isinstance(key, int):
+    key = jax.random.key(key)
+  return _activations(m, k, jnp.dtype(dtype), sharding)(key)
+
+
+def row_parallel_shardings(mesh, axis_name) -> tuple[NamedSharding, NamedSharding]:
+  """Shardings of global x [m, k] (P(None, axis)) and w [k, n] (P(axis, None)) on `mesh`."""
+  return NamedSharding(mesh, P(None, axis_name)), NamedSharding(mesh, P(axis_name, None))
+
+
+def split_inputs(x, w, num_devices: int):
+  """Global x [m, k], w [k, n] -> xs [D, m, k / D], ws [D, k / D, n] (rank d: k-slice d).
+
+  Works on numpy and jax arrays.
+  """
+  m, k = x.shape
+  if k % num_devices:
+    raise ValueError(f"k={k} not divisible by D={num_devices}")
+  ks = k // num_devices
+  xs = x.reshape(m, num_devices, ks).transpose(1, 0, 2)
+  ws = w.reshape(num_devices, ks, w.shape[1])
+  return xs, ws
 
 
 def stacked_inputs(key, num_devices: int, m: int, k_shard: int, n: int,
                    dtype=jnp.bfloat16) -> tuple[jax.Array, jax.Array]:
-  """Random per-rank operands xs [D, m, k_shard], ws [D, k_shard, n] (never zeros).
+  """Per-rank operands xs [D, m, k_shard], ws [D, k_shard, n]: `split_inputs` of
+  `generate(key, m, D * k_shard, n, num_devices=D)` (one GPU: loopback, D = 1)."""
+  x, w = generate(key, m, num_devices * k_shard, n, num_devices=num_devices, dtype=dtype)
+  return split_inputs(x, w, num_devices)
 
-  Rank r's x is scaled by 1 + r / D, so a swapped, missing or duplicated rank changes the
-  result; w is scaled so that outputs are O(1).
+
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+  """One problem's operands on the host (numpy, in the case's dtype), both views.
+
+  Attributes:
+    xs: [D, m, k_shard], device d's x.
+    ws: [D, k_shard, n], device d's w.
+    x: [m, k] global activations (xs concatenated along k).
+    w: [k, n] global weight (ws concatenated along k).
   """
-  if isinstance(key, int):
-    key = jax.random.key(key)
-  kx, kw = jax.random.split(key)
-  scale = (1.0 + jnp.arange(num_devices, dtype=jnp.float32) / num_devices)[:, None, None]
-  xs = jax.random.normal(kx, (num_devices, m, k_shard), jnp.float32) * scale
-  ws = jax.random.normal(kw, (num_devices, k_shard, n), jnp.float32) / np.sqrt(
-      k_shard * num_devices)
-  return xs.astype(dtype), ws.astype(dtype)
+  xs: np.ndarray
+  ws: np.ndarray
+  x: np.ndarray
+  w: np.ndarray
+
+
+def make_inputs(case, seed: int = 0) -> Inputs:
+  """`generate`'s operands of a `pallas_rs.shapes.Case`, on the host."""
+  d = case.num_devices
+  x, w = (np.asarray(a) for a in generate(seed, case.m, case.k, case.n, num_devices=d,
+                                          dtype=case.dtype))
+  xs, ws = split_inputs(x, w, d)
+  return Inputs(xs=np.ascontiguousarray(xs), ws=ws, x=x, w=w)
+
+
+def put_operands(inputs: Inputs, mesh, axis_name):
+  """Global x, w of `inputs` on `mesh`, sharded as `row_parallel_shardings`."""
+  x_sharding, w_sharding = row_parallel_shardings(mesh, axis_name)
+  return jax.device_put(inputs.x, x_sharding), jax.device_put(inputs.w, w_sharding)
 
 
 def stacked_reference(xs, ws) -> np.ndarray:
@@ -34,3 +135,15 @@ def stacked_reference(xs, ws) -> np.ndarray:
   d, m, _ = x.shape
   full = sum(np.matmul(x[r], w[r]).astype(np.float64) for r in range(d))
   return full.reshape(d, m // d, -1)
+
+
+@jax.jit
+def device_reference(xs, ws) -> jax.Array:
+  """`stacked_reference` on the device, in float32 (HIGHEST precision): [D, m // D, n].
+
+  For checks whose operands are too large or too many to copy to the host (stress loops).
+  """
+  d, m, _ = xs.shape
+  ref = jnp.einsum("dmk,dkn->mn", xs.astype(jnp.float32), ws.astype(jnp.float32),
+                   precision=jax.lax.Precision.HIGHEST)
+  return ref.reshape(d, m // d, -1)

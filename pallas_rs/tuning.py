@@ -68,6 +68,7 @@ import numpy as np
 
 from pallas_rs import metrics
 # The schema's names are part of this module's interface (tests, experiments/autotune.py).
+from pallas_rs.tuning_schema import CHOICES  # pylint: disable=unused-import
 from pallas_rs.tuning_schema import config_from_json  # pylint: disable=unused-import
 from pallas_rs.tuning_schema import config_to_json  # pylint: disable=unused-import
 from pallas_rs.tuning_schema import DEFAULT_OP
@@ -78,7 +79,6 @@ from pallas_rs.tuning_schema import entry_key
 from pallas_rs.tuning_schema import entry_mode  # pylint: disable=unused-import
 from pallas_rs.tuning_schema import entry_op
 from pallas_rs.tuning_schema import identity
-from pallas_rs.tuning_schema import IMPLEMENTATIONS  # pylint: disable=unused-import
 from pallas_rs.tuning_schema import is_informational
 from pallas_rs.tuning_schema import Key
 from pallas_rs.tuning_schema import norm_kind

@@ -14,7 +14,7 @@ from typing import Any, Mapping, NamedTuple
 # `import pallas_rs` stays light.
 
 SCHEMA_VERSION = 1
-IMPLEMENTATIONS = ("fused", "xla")
+CHOICES = ("fused", "xla")  # What an entry or a decision picks; gate.IMPLEMENTATIONS adds "auto".
 OPS = ("matmul_rs", "ag_matmul")
 DEFAULT_OP = "matmul_rs"
 SOURCES = ("table", "heuristic", "default", "override")
@@ -60,9 +60,9 @@ class Decision:
   reason: str
 
   def __post_init__(self):
-    if self.implementation not in IMPLEMENTATIONS:
+    if self.implementation not in CHOICES:
       raise ValueError(f"implementation={self.implementation!r} must be one of "
-                       f"{IMPLEMENTATIONS}")
+                       f"{CHOICES}")
     if self.source not in SOURCES:
       raise ValueError(f"source={self.source!r} must be one of {SOURCES}")
     if self.implementation == "fused" and self.config is None:
@@ -193,8 +193,8 @@ def _validate_entry(i: int, entry: Any) -> None:
   if op not in OPS:
     raise ValueError(f"{where}.op={op!r} must be one of {OPS}")
   impl = entry["implementation"]
-  if impl not in IMPLEMENTATIONS:
-    raise ValueError(f"{where}.implementation={impl!r} must be one of {IMPLEMENTATIONS}")
+  if impl not in CHOICES:
+    raise ValueError(f"{where}.implementation={impl!r} must be one of {CHOICES}")
   if entry["config"] is None:
     if impl == "fused" and op == "matmul_rs":
       raise ValueError(f"{where}: implementation='fused' needs a config")

@@ -1,28 +1,26 @@
-"""Shared test helpers: meshes, per-device inputs, tolerances, comparisons.
+"""Shared test helpers: meshes, tolerances, comparisons.
 
 Conventions (also used by the kernel tests):
-  * A `pallas_rs.shapes.Case` describes the global problem; `make_inputs(case)`
-    gives stacked per-device numpy arrays xs [D, m, k_shard], ws [D, k_shard, n]
-    and the matching global x [m, k], w [k, n] (x[:, d*k_shard:(d+1)*k_shard]
-    is xs[d]).
-  * Device d's data is scaled by (d + 1) / D, so a missing, duplicated or
-    swapped rank changes the result.
+  * A `pallas_rs.shapes.Case` describes the global problem; its operands come from
+    `pallas_rs.testing` (`make_inputs(case, seed)`: stacked per-device xs [D, m, k_shard],
+    ws [D, k_shard, n] and the matching global x [m, k], w [k, n], x[:, d*k_shard:(d+1)*k_shard]
+    being xs[d]; `put_operands` places them on a mesh).
+  * Device d's x is scaled by 1 + d / D, so a missing, duplicated or swapped rank changes the
+    result.
   * `make_mesh(D)` uses jax.devices()[:D] in order (row-major device ids).
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import ml_dtypes
 import numpy as np
 import pytest
 
 from pallas_rs import reference
-from pallas_rs import shapes
+from pallas_rs import testing
 
 AXIS = "x"
 
@@ -57,36 +55,6 @@ def make_mesh(num_devices: int, axis_name: str = AXIS, devices=None
                        devices=devices[:num_devices])
 
 
-@dataclasses.dataclass(frozen=True)
-class Inputs:
-  """Stacked per-device operands (numpy, in the case's dtype) and global views.
-
-  Attributes:
-    xs: [D, m, k_shard], device d's x.
-    ws: [D, k_shard, n], device d's w.
-    x: [m, k] global activations (xs concatenated along k).
-    w: [k, n] global weight (ws concatenated along k).
-  """
-  xs: np.ndarray
-  ws: np.ndarray
-  x: np.ndarray
-  w: np.ndarray
-
-
-def make_inputs(case: shapes.Case, seed: int = 0) -> Inputs:
-  """Fresh random inputs for `case`, distinct per device, outputs of order 1."""
-  rng = np.random.default_rng(seed)
-  d, m, n, ks = case.num_devices, case.m, case.n, case.k_shard
-  scale = ((np.arange(d) + 1) / d)[:, None, None]
-  xs = rng.standard_normal((d, m, ks)) * scale
-  ws = rng.standard_normal((d, ks, n)) / np.sqrt(case.k)
-  dtype = np_dtype(case.dtype)
-  xs, ws = xs.astype(dtype), ws.astype(dtype)
-  x = np.concatenate(list(xs), axis=1)
-  w = np.concatenate(list(ws), axis=0)
-  return Inputs(xs=xs, ws=ws, x=x, w=w)
-
-
 def random_per_device(shape, num_devices: int, dtype, seed: int) -> np.ndarray:
   """[D, *shape] normals scaled by (d + 1) / D (e.g. cotangents dy)."""
   rng = np.random.default_rng(seed)
@@ -96,20 +64,13 @@ def random_per_device(shape, num_devices: int, dtype, seed: int) -> np.ndarray:
       np_dtype(dtype))
 
 
-def reference_output(inputs: Inputs, scatter_dimension: int = 0) -> np.ndarray:
+def reference_output(inputs: testing.Inputs, scatter_dimension: int = 0) -> np.ndarray:
   """float64 per-device expected outputs [D, ...] (see reference.numpy_reference)."""
   return reference.numpy_reference(inputs.xs, inputs.ws, scatter_dimension)
 
 
 def shard_spec(scatter_dimension: int, axis_name: str = AXIS) -> P:
   return P(axis_name, None) if scatter_dimension == 0 else P(None, axis_name)
-
-
-def put_operands(inputs: Inputs, mesh, axis_name: str = AXIS):
-  """Global x, w on `mesh`, sharded P(None, axis), P(axis, None)."""
-  x = jax.device_put(inputs.x, NamedSharding(mesh, P(None, axis_name)))
-  w = jax.device_put(inputs.w, NamedSharding(mesh, P(axis_name, None)))
-  return x, w
 
 
 @functools.lru_cache(maxsize=None)
@@ -140,7 +101,7 @@ def forward_tolerance(dtype, num_devices: int) -> float:
 
   The XLA path rounds each device's fp32 partial product to `dtype`, then adds
   the D partials, possibly rounding after each addition (NCCL does): D + 1
-  roundings of at most u (unit roundoff) relative each. With `make_inputs`'
+  roundings of at most u (unit roundoff) relative each. With `testing.make_inputs`'
   data every partial and partial sum is at most about max|ref|, so
   (D + 1) * u bounds the normwise error; measured errors are 0.1-0.4 of it,
   and a wrong chunk, rank or scaling is an O(1) error. f32 adds the error of

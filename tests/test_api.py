@@ -15,6 +15,7 @@ from pallas_rs import gate
 from pallas_rs import platform
 from pallas_rs import reference
 from pallas_rs import shapes
+from pallas_rs import testing
 
 AXIS = helpers.AXIS
 CI = shapes.select("ci")
@@ -39,8 +40,8 @@ def test_forward_matches_numpy(case, scatter_dimension, implementation):
   tol = helpers.forward_tolerance(case.dtype, case.num_devices)
   # Two calls with fresh inputs: a stale buffer or semaphore would show here.
   for call in range(2):
-    inputs = helpers.make_inputs(case, seed=_seed(case.name, call))
-    x, w = helpers.put_operands(inputs, mesh)
+    inputs = testing.make_inputs(case, seed=_seed(case.name, call))
+    x, w = testing.put_operands(inputs, mesh, AXIS)
     out = pallas_rs.row_parallel_matmul(
         x, w, mesh=mesh, axis_name=AXIS, scatter_dimension=scatter_dimension,
         implementation=implementation)
@@ -64,13 +65,13 @@ def test_exact_with_small_integers():
   case = shapes.by_name("ci_n96_d4")
   mesh = helpers.make_mesh(case.num_devices)
   rng = np.random.default_rng(0)
-  inputs = helpers.make_inputs(case)
+  inputs = testing.make_inputs(case)
   xs = rng.integers(-2, 3, inputs.xs.shape).astype(inputs.xs.dtype)
   ws = rng.integers(-1, 2, inputs.ws.shape).astype(inputs.ws.dtype)
   xs *= (np.arange(case.num_devices) + 1)[:, None, None].astype(xs.dtype)
-  inputs = helpers.Inputs(xs=xs, ws=ws, x=np.concatenate(list(xs), 1),
+  inputs = testing.Inputs(xs=xs, ws=ws, x=np.concatenate(list(xs), 1),
                           w=np.concatenate(list(ws), 0))
-  x, w = helpers.put_operands(inputs, mesh)
+  x, w = testing.put_operands(inputs, mesh, AXIS)
   out = pallas_rs.row_parallel_matmul(x, w, mesh=mesh, axis_name=AXIS)
   np.testing.assert_array_equal(
       helpers.per_device_shards(out, mesh).astype(np.float64),
@@ -80,7 +81,7 @@ def test_exact_with_small_integers():
 def test_negative_scatter_dimension_aliases():
   case = shapes.by_name("ci_n96_d4")
   mesh = helpers.make_mesh(case.num_devices)
-  x, w = helpers.put_operands(helpers.make_inputs(case), mesh)
+  x, w = testing.put_operands(testing.make_inputs(case), mesh, AXIS)
   for neg, pos in ((-2, 0), (-1, 1)):
     a = pallas_rs.row_parallel_matmul(x, w, mesh=mesh, axis_name=AXIS,
                                       scatter_dimension=neg)
@@ -94,7 +95,7 @@ def test_explicit_mesh_and_unsharded_inputs():
   case = shapes.by_name("ci_n320_d2")
   mesh = jax.make_mesh((2,), (AXIS,), devices=jax.devices()[:2],
                        axis_types=(jax.sharding.AxisType.Explicit,))
-  inputs = helpers.make_inputs(case)
+  inputs = testing.make_inputs(case)
   out = pallas_rs.row_parallel_matmul(jnp.asarray(inputs.x),
                                       jnp.asarray(inputs.w), mesh=mesh,
                                       axis_name=AXIS)
@@ -120,15 +121,15 @@ def test_auto_on_cpu_uses_xla_and_logs_once_at_info(monkeypatch):
   platform.reset_fallback_log()
   case = shapes.by_name("ci_min_m_d8")
   mesh = helpers.make_mesh(case.num_devices)
-  x, w = helpers.put_operands(helpers.make_inputs(case), mesh)
+  x, w = testing.put_operands(testing.make_inputs(case), mesh, AXIS)
   auto = helpers.shard_mapped(_call_fn("auto"), mesh)(x, w)
   # A different shape retraces; the reason is the same, so no second log.
   case2 = shapes.by_name("ci_llama70b_o_proj_d8")
-  x2, w2 = helpers.put_operands(helpers.make_inputs(case2), mesh)
+  x2, w2 = testing.put_operands(testing.make_inputs(case2), mesh, AXIS)
   helpers.shard_mapped(_call_fn("auto"), mesh)(x2, w2)
   # A shape the fused kernel would take still uses XLA off Hopper.
   case3 = shapes.by_name("ci_min_tile_d8")
-  x3, w3 = helpers.put_operands(helpers.make_inputs(case3), mesh)
+  x3, w3 = testing.put_operands(testing.make_inputs(case3), mesh, AXIS)
   helpers.shard_mapped(_call_fn("auto"), mesh)(x3, w3)
   xla = helpers.shard_mapped(_call_fn("xla"), mesh)(x, w)
   np.testing.assert_array_equal(np.asarray(auto), np.asarray(xla))
@@ -210,7 +211,7 @@ def test_fused_call_on_cpu_raises(case_name, errors, match):
     pytest.skip("checks the CPU-only behaviour")
   case = shapes.by_name(case_name)
   mesh = helpers.make_mesh(case.num_devices)
-  x, w = helpers.put_operands(helpers.make_inputs(case), mesh)
+  x, w = testing.put_operands(testing.make_inputs(case), mesh, AXIS)
   with pytest.raises(errors, match=match):
     jax.block_until_ready(
         helpers.shard_mapped(_call_fn("fused"), mesh)(x, w))
@@ -219,7 +220,7 @@ def test_fused_call_on_cpu_raises(case_name, errors, match):
 def test_fused_scatter_dimension_1_not_implemented():
   case = shapes.by_name("ci_min_m_d2")
   mesh = helpers.make_mesh(case.num_devices)
-  x, w = helpers.put_operands(helpers.make_inputs(case), mesh)
+  x, w = testing.put_operands(testing.make_inputs(case), mesh, AXIS)
   with pytest.raises(NotImplementedError, match="scatter_dimension=1"):
     pallas_rs.row_parallel_matmul(x, w, mesh=mesh, axis_name=AXIS,
                                   scatter_dimension=1, implementation="fused")
@@ -317,7 +318,7 @@ def test_unknown_keyword_of_row_parallel_matmul():
 def test_tuple_axis_name_spanning_two_mesh_axes():
   mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
   case = shapes.custom_case(64, 24, 128, 8, "float32")
-  inputs = helpers.make_inputs(case)
+  inputs = testing.make_inputs(case)
   for impl in ("xla", "auto"):
     out = pallas_rs.row_parallel_matmul(inputs.x, inputs.w, mesh=mesh, axis_name=("dp", "tp"),
                                         implementation=impl)

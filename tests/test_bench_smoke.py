@@ -36,11 +36,29 @@ def _load(name, path):
   return sys.modules[name]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _forget_script_flags():
+  """The scripts' absl flags leave with this file, so that a later test file can load another
+  script that defines the same names (experiments/numerics.py's --mode)."""
+  yield
+  for name in ("matmul_rs_bench", "plot_results"):
+    if sys.modules.pop(name, None) is not None:
+      for flag in FLAGS.get_flags_for_module(name):
+        delattr(FLAGS, flag.name)
+
+
 @pytest.fixture(scope="module")
 def bench():
   module = _load("matmul_rs_bench", BENCH)
   if not FLAGS.is_parsed():
     FLAGS.mark_as_parsed()
+  return module
+
+
+@pytest.fixture(scope="module")
+def harness(bench):
+  del bench  # Loading the main puts experiments/ on sys.path.
+  import harness as module  # pylint: disable=g-import-not-at-top
   return module
 
 
@@ -136,23 +154,23 @@ def test_flag_parsing(bench):
         c.name for c in shapes.SEED_CASES}
 
 
-def test_stream_reference_matches_numpy_reference(bench):
+def test_stream_reference_matches_numpy_reference(harness):
   rng = np.random.default_rng(0)
   xs = rng.standard_normal((4, 16, 8))
   ws = rng.standard_normal((4, 8, 12))
   gemm = np.einsum("dmk,dkn->dmn", xs, ws)
-  ref, label, gemm_err = bench.stream_reference(xs, ws, gemm_outs=gemm)
+  ref, label, gemm_err = harness.stream_reference(xs, ws, gemm_outs=gemm)
   np.testing.assert_allclose(ref, reference.numpy_reference(xs, ws),
                              rtol=1e-12, atol=1e-12)
   assert label == "numpy float64" and gemm_err < 1e-12
 
 
-def test_single_gpu_sweep_records_unavailable_on_cpu(bench):
+def test_single_gpu_sweep_records_unavailable_on_cpu(bench, harness):
   # The single_gpu code path, run on CPU: XLA baselines time, the fused entry
   # points (not available on CPU) are recorded as unavailable, never faked.
-  with flagsaver.flagsaver(iterations=2, warmup=1, num_devices=2):
-    recs = bench.sweep_single_gpu([shapes.custom_case(64, 128, 256, 8)],
-                                  "host_wall_clock")
+  settings = harness.Settings(timer="host_wall_clock", iterations=2, warmup=1)
+  recs = harness.sweep_single_gpu([shapes.custom_case(64, 128, 256, 8)],
+                                  loopback_devices=(2, 8), settings=settings)
   recs = [bench.sanitize(r) for r in recs]
   for r in recs:
     bench.validate_record(r)
@@ -240,20 +258,23 @@ def test_plot_single_gpu_json(tmp_path):
   assert all(p.stat().st_size > 0 for p in written)
 
 
-def test_seed_shapes_run_at_the_visible_device_count(bench):
+def test_seed_shapes_run_at_the_visible_device_count(harness):
   seed = shapes.by_name("llama70b_o_proj_m2048")
   proxy = shapes.by_name("llama70b_o_proj_m2048_proxy8")
   ci = shapes.by_name("ci_llama70b_o_proj_d2")
   for visible in (2, 4, 8):
-    assert bench.devices_for(seed, visible) == visible
-    assert bench.devices_for(proxy, visible) == 2
-    assert bench.devices_for(ci, visible) == 2
-  assert bench.devices_for(seed, 8, override=4) == 4
+    assert harness.devices_for(seed, visible) == visible
+    assert harness.devices_for(proxy, visible) == 2
+    assert harness.devices_for(ci, visible) == 2
+  assert harness.devices_for(seed, 8, override=4) == 4
   # Labelled with the real D: the renamed case and the record's shape block.
-  case = seed.with_num_devices(bench.devices_for(seed, 2))
-  block = bench.shape_block(case)
+  case = seed.with_num_devices(harness.devices_for(seed, 2))
+  block = harness.shape_block(case)
   assert (case.name, block["num_devices"], block["k_shard"]) == (
       "llama70b_o_proj_m2048_d2", 2, 4096)
+  assert harness.cases_at([seed, proxy], 2) == [case, proxy]
+  with pytest.raises(ValueError, match="needs 4 devices, have 2"):
+    harness.cases_at([seed], 2, override=4)
 
 
 def test_proxy8_shapes_have_the_d8_k_shard_at_d2():

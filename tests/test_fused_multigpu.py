@@ -14,6 +14,7 @@ import helpers
 import pallas_rs
 from pallas_rs import reference
 from pallas_rs import shapes
+from pallas_rs import testing
 
 pytestmark = pytest.mark.multigpu
 
@@ -24,8 +25,8 @@ def _case(d, m, n, k):
 
 def _check(case, seed):
   mesh = helpers.make_mesh(case.num_devices, devices=helpers.hopper_devices())
-  inputs = helpers.make_inputs(case, seed)
-  x, w = helpers.put_operands(inputs, mesh)
+  inputs = testing.make_inputs(case, seed)
+  x, w = testing.put_operands(inputs, mesh, helpers.AXIS)
   op = lambda impl: helpers.shard_mapped(functools.partial(
       pallas_rs.matmul_reduce_scatter, axis_name=helpers.AXIS, implementation=impl), mesh)
   fused = helpers.per_device_shards(op("fused")(x, w), mesh).astype(np.float64)

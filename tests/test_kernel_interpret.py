@@ -4,13 +4,13 @@ there, so D > 1 is covered by the schedule simulation, lowering, and the GPU tes
 Checks the persistent tile loop (CTA striding, snake order) and the epilogue numerically, with
 uninitialised memory poisoned to NaN so an unwritten output tile fails.
 """
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pallas_rs import config as config_lib
 from pallas_rs import fused
+from pallas_rs import testing
 
 interpret = pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.params")
 
@@ -24,9 +24,7 @@ M = config_lib.MatmulDimension
                        grid_minor_dim=M.M, grid_tile_width=2, num_sms=5), 320, 64, 192),
 ])
 def test_local_matmul_interpret(cfg, m, k, n):
-  kx, kw = jax.random.split(jax.random.key(m + n))
-  x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
-  w = jax.random.normal(kw, (k, n), jnp.float32).astype(jnp.bfloat16)
+  x, w = testing.generate(m + n, m, k, n)
   params = interpret.InterpretGPUParams(uninitialized_memory="nan")
   with interpret.force_gpu_interpret_mode(params):
     out = fused.local_matmul(x, w, config=cfg)

@@ -34,6 +34,7 @@ from pallas_rs import api
 from pallas_rs import gate
 from pallas_rs import platform
 from pallas_rs import model
+from pallas_rs import testing
 
 AXIS = helpers.AXIS
 REPO = Path(__file__).resolve().parents[1]
@@ -51,8 +52,7 @@ def _setup(num_devices, dtype=jnp.float32, seed=0):
   mesh = helpers.make_mesh(num_devices)
   params = model.init_params(jax.random.key(seed), num_devices=num_devices,
                              dtype=dtype, **DIMS)
-  h = jax.random.normal(jax.random.key(seed + 1),
-                        (TOKENS, DIMS["hidden"]), jnp.float32).astype(dtype)
+  h = testing.activations(seed + 1, TOKENS, DIMS["hidden"], dtype=dtype)
   return mesh, params, h
 
 
@@ -171,8 +171,7 @@ def test_ag_matmul_falls_back_on_cpu_with_reason_logged_once(caplog):
   platform.reset_fallback_log()
   caplog.set_level(logging.INFO, logger="absl")
   mesh = helpers.make_mesh(8)
-  lhs = jax.random.normal(jax.random.key(0), (64, 32), jnp.float32)
-  rhs = jax.random.normal(jax.random.key(1), (32, 48), jnp.float32)
+  lhs, rhs = testing.generate(0, 64, 32, 48, dtype=jnp.float32)
 
   def body(lhs, rhs):
     return api.all_gather_matmul(lhs, rhs, AXIS)

@@ -13,6 +13,7 @@ import pytest
 
 import helpers
 from pallas_rs import model
+from pallas_rs import testing
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "experiments"))
@@ -30,7 +31,7 @@ def _setup():
   mesh = helpers.make_mesh(8)
   params = model.shard_params(model.init_params(jax.random.key(0), num_devices=8,
                                                 dtype=jnp.bfloat16, **DIMS), mesh, AXIS)
-  h = jax.random.normal(jax.random.key(1), (TOKENS, DIMS["hidden"]), jnp.bfloat16)
+  h = testing.activations(1, TOKENS, DIMS["hidden"])
   return mesh, params, h
 
 

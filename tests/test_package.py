@@ -89,6 +89,23 @@ def test_max_rel_error():
     reference.max_rel_error(np.ones(2), np.ones(3))
 
 
+def test_max_rel_error_on_device_is_the_same_figure():
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  ref = np.array([[1.0, -4.0], [2.0, 0.0]], np.float32)
+  on_device = jax.jit(reference.max_rel_error_on_device)
+  for out, want in ((ref, 0.0), (ref + [[0, 0], [0, 0.5]], 0.125)):
+    assert float(on_device(out, ref)) == want == reference.max_rel_error(out, ref)
+  assert float(on_device(np.zeros(3), np.zeros(3))) == 0.0
+  assert float(on_device(np.ones(3), np.zeros(3))) == float("inf")
+  out = jnp.asarray(np.random.default_rng(0).standard_normal((16, 8)), jnp.bfloat16)
+  ref = np.random.default_rng(1).standard_normal((16, 8))
+  assert float(on_device(out, ref)) == pytest.approx(reference.max_rel_error(out, ref),
+                                                     rel=1e-6)
+  with pytest.raises(ValueError, match="shape"):
+    reference.max_rel_error_on_device(np.ones(2), np.ones(3))
+
+
 def test_imports_only_go_down_and_modules_stay_small():
   """No import circle among pallas_rs modules (lazy imports included); none over 450 lines."""
   import re  # pylint: disable=g-import-not-at-top

@@ -1,9 +1,13 @@
 """pallas_rs.testing and the loopback baseline in pallas_rs.reference (CPU)."""
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import pytest
 
+import helpers
 from pallas_rs import reference
+from pallas_rs import shapes
 from pallas_rs import testing
 
 
@@ -17,6 +21,53 @@ def test_stacked_inputs_are_random_and_distinct_per_rank():
   assert np.all(np.diff(rms) > 0)
   xs2, _ = testing.stacked_inputs(4, 4, 32, 16, 24)
   assert not np.array_equal(np.asarray(xs2, np.float32), x)
+
+
+def test_one_generator_global_and_per_rank_views_agree():
+  d, m, k, n = 4, 32, 64, 24
+  x, w = testing.generate(7, m, k, n, num_devices=d)
+  assert x.shape == (m, k) and w.shape == (k, n) and x.dtype == w.dtype == jnp.bfloat16
+  xs, ws = testing.stacked_inputs(7, d, m, k // d, n)
+  np.testing.assert_array_equal(np.asarray(xs, np.float32),
+                                np.asarray(x, np.float32).reshape(m, d, k // d).transpose(1, 0, 2))
+  np.testing.assert_array_equal(np.asarray(ws, np.float32), np.asarray(w, np.float32).reshape(
+      d, k // d, n))
+  # Traceable with a key, same data as the compiled generator.
+  x2, w2 = jax.jit(lambda key: testing.operands(key, m, k, n, num_devices=d))(jax.random.key(7))
+  np.testing.assert_array_equal(np.asarray(x2, np.float32), np.asarray(x, np.float32))
+  np.testing.assert_array_equal(np.asarray(w2, np.float32), np.asarray(w, np.float32))
+  # D = 1: x is exactly N(0, 1) rounded, and `activations` is that x alone.
+  x1, _ = testing.generate(7, m, k, n, dtype=jnp.float32)
+  np.testing.assert_array_equal(np.asarray(testing.activations(7, m, k, dtype=jnp.float32)),
+                                np.asarray(x1))
+  # Outputs O(1).
+  out = testing.stacked_reference(xs, ws)
+  assert 0.3 < np.sqrt(np.mean(out**2)) < 3
+  with pytest.raises(ValueError, match="not divisible"):
+    testing.operands(0, m, 30, n, num_devices=d)
+
+
+def test_generated_in_place_on_a_mesh_and_on_the_host():
+  case = shapes.by_name("ci_llama70b_o_proj_d8")
+  mesh = helpers.make_mesh(case.num_devices)
+  shardings = testing.row_parallel_shardings(mesh, helpers.AXIS)
+  x, w = testing.generate(3, case.m, case.k, case.n, num_devices=8, shardings=shardings)
+  assert x.sharding == shardings[0] and w.sharding == shardings[1]
+  inputs = testing.make_inputs(case, seed=3)
+  np.testing.assert_array_equal(np.asarray(x), inputs.x)
+  np.testing.assert_array_equal(np.asarray(w), inputs.w)
+  for d in range(8):
+    np.testing.assert_array_equal(inputs.xs[d], inputs.x[:, d * case.k_shard:(d + 1) * case.k_shard])
+  px, pw = testing.put_operands(inputs, mesh, helpers.AXIS)
+  assert px.sharding.is_equivalent_to(x.sharding, 2) and pw.sharding.is_equivalent_to(w.sharding, 2)
+  # crc32-sized seeds (tests/test_api.py) are fine.
+  assert testing.make_inputs(case, seed=2**32 - 1).x.shape == (case.m, case.k)
+
+
+def test_device_reference_matches_the_host_one():
+  xs, ws = testing.stacked_inputs(2, 4, 64, 32, 48)
+  np.testing.assert_allclose(np.asarray(testing.device_reference(xs, ws)),
+                             testing.stacked_reference(xs, ws), rtol=1e-5, atol=1e-5)
 
 
 def test_stacked_reference_matches_float64_einsum():

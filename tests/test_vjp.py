@@ -12,6 +12,7 @@ import helpers
 import pallas_rs
 from pallas_rs import reference
 from pallas_rs import shapes
+from pallas_rs import testing
 from pallas_rs import vjp
 
 AXIS = helpers.AXIS
@@ -62,8 +63,8 @@ def autodiff_tolerance(dtype) -> float:
        for c in shapes.select("ci") if c.n % c.num_devices == 0])
 def test_vjp(case, scatter_dimension, implementation):
   mesh = helpers.make_mesh(case.num_devices)
-  inputs = helpers.make_inputs(case, seed=_seed(case.name, scatter_dimension))
-  x, w = helpers.put_operands(inputs, mesh)
+  inputs = testing.make_inputs(case, seed=_seed(case.name, scatter_dimension))
+  x, w = testing.put_operands(inputs, mesh, AXIS)
   # dy: distinct per device, [D, m // D, n] or [D, m, n // D] per-device blocks.
   dy_shape = helpers.reference_output(inputs, scatter_dimension).shape[1:]
   dys = helpers.random_per_device(dy_shape, case.num_devices, case.dtype,
@@ -96,10 +97,8 @@ def test_vjp(case, scatter_dimension, implementation):
 
 def test_all_gather_matmul_returns_gathered_operand():
   mesh = helpers.make_mesh(4)
-  rng = np.random.default_rng(0)
   for dim in (0, 1):
-    lhs = rng.standard_normal((16, 12)).astype(np.float32)  # global [m, n]
-    rhs = rng.standard_normal((12, 5)).astype(np.float32)
+    lhs, rhs = (np.asarray(a) for a in testing.generate(dim, 16, 12, 5, dtype=jnp.float32))
 
     def body(lhs_blk, rhs, dim=dim):
       out, full = reference.all_gather_matmul(lhs_blk, rhs, AXIS,
@@ -122,10 +121,9 @@ def test_fused_backward_uses_gated_all_gather_matmul():
   # The backward of implementation="fused" goes through ag_matmul's gate; off Hopper it falls
   # back to XLA and must give exactly the XLA backward.
   mesh = helpers.make_mesh(4)
-  rng = np.random.default_rng(1)
-  x = rng.standard_normal((16, 8)).astype(np.float32)   # global [m, k]
-  w = rng.standard_normal((8, 6)).astype(np.float32)    # global [k, n]
-  dy = rng.standard_normal((16, 6)).astype(np.float32)  # global [m, n], rows sharded
+  x, w = (np.asarray(a) for a in testing.generate(1, 16, 8, 6, num_devices=4,
+                                                   dtype=jnp.float32))  # global [m, k], [k, n]
+  dy = np.random.default_rng(1).standard_normal((16, 6)).astype(np.float32)  # [m, n], rows sharded
 
   def bwd(impl, x, w, dy):
     return vjp._bwd(AXIS, 0, impl, None, (x, w), dy)
@@ -149,8 +147,8 @@ def test_fused_backward_uses_gated_all_gather_matmul():
 def test_grad_inside_jit_of_row_parallel_matmul():
   case = shapes.by_name("ci_f32_n96_d4")
   mesh = helpers.make_mesh(case.num_devices)
-  inputs = helpers.make_inputs(case)
-  x, w = helpers.put_operands(inputs, mesh)
+  inputs = testing.make_inputs(case)
+  x, w = testing.put_operands(inputs, mesh, AXIS)
 
   def loss(x, w):
     y = pallas_rs.row_parallel_matmul(x, w, mesh=mesh, axis_name=AXIS)
@@ -191,11 +189,9 @@ def _mlp_loss(h, w1, w2, *, op, mesh, check_vma):
 def test_mlp_gradient_matches_xla_only(dtype, check_vma):
   num_devices, m, d_model, d_ff = 4, 16, 32, 64
   mesh = helpers.make_mesh(num_devices)
-  rng = np.random.default_rng(1)
   np_dt = helpers.np_dtype(dtype)
-  h = rng.standard_normal((m, d_model)).astype(np_dt)
-  w1 = (rng.standard_normal((d_model, d_ff)) / np.sqrt(d_model)).astype(np_dt)
-  w2 = (rng.standard_normal((d_ff, d_model)) / np.sqrt(d_ff)).astype(np_dt)
+  h, w1 = (np.asarray(a) for a in testing.generate(1, m, d_model, d_ff, dtype=dtype))
+  w2 = np.asarray(testing.generate(2, m, d_ff, d_model, dtype=dtype)[1])
 
   def grads(op):
     loss = functools.partial(_mlp_loss, op=op, mesh=mesh, check_vma=check_vma)
