@@ -12,6 +12,11 @@ Conventions (also used by the kernel tests):
 from __future__ import annotations
 
 import functools
+import importlib.util
+import os
+from pathlib import Path
+import subprocess
+import sys
 
 import jax
 from jax.sharding import PartitionSpec as P
@@ -142,3 +147,58 @@ def assert_close(out, ref, *, tol: float, name: str = "") -> None:
         f"{tol=} * max|ref|={scale:.4g}; max rel err="
         f"{float(err.max()) / scale:.3g}, rms rel err={rms:.3g}; first "
         f"(index, out, ref): {first}")
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+_STAND_IN_DRIVER = """
+import importlib.util, sys
+sys.path.insert(0, {repo!r}); sys.path.insert(0, {exp!r})
+from absl import app
+from pallas_rs import fused, reference
+{stand_ins}
+spec = importlib.util.spec_from_file_location("script", {script!r})
+mod = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(mod)
+{after_load}
+app.run(mod.main)
+"""
+
+
+def run_script_with_stand_ins(script: str, args, *, stand_ins: str, after_load: str = "",
+                              timeout: int = 600) -> subprocess.CompletedProcess:
+  """Runs experiments/`script` with `args` in a subprocess on 8 forced CPU devices.
+
+  `stand_ins` (Python source) runs first, with `fused` and `reference` imported: it replaces
+  the kernel entry points, which cannot run on a CPU, so that the script's own plumbing is
+  what the test checks; `after_load` runs with the script loaded as `mod` (e.g. to lift its
+  GPU check)."""
+  code = _STAND_IN_DRIVER.format(
+      repo=str(REPO), exp=str(REPO / "experiments"), script=str(REPO / "experiments" / script),
+      stand_ins=stand_ins, after_load=after_load)
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                        timeout=timeout, env=env, cwd=REPO)
+
+
+def load_script(name: str):
+  """experiments/`name`.py as a module, loaded once per process (it defines absl flags)."""
+  if name not in sys.modules:
+    if str(REPO / "experiments") not in sys.path:
+      sys.path.insert(0, str(REPO / "experiments"))
+    spec = importlib.util.spec_from_file_location(name, REPO / "experiments" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+  return sys.modules[name]
+
+
+def forget_scripts(*names: str) -> None:
+  """Unloads scripts loaded by `load_script` and removes their absl flags, so that a later test
+  file can load another script that defines the same flag names."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  for name in names:
+    if sys.modules.pop(name, None) is not None:
+      for flag in flags.FLAGS.get_flags_for_module(name):
+        delattr(flags.FLAGS, flag.name)

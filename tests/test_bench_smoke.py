@@ -1,6 +1,5 @@
 """experiments/matmul_rs_bench.py on CPU: flags, schema, smoke end to end."""
 import copy
-import importlib.util
 import json
 import os
 from pathlib import Path
@@ -13,6 +12,7 @@ from absl.testing import flagsaver
 import numpy as np
 import pytest
 
+import helpers
 from pallas_rs import reference
 from pallas_rs import shapes
 
@@ -26,30 +26,17 @@ FLAGS = flags.FLAGS
 SMOKE_NAMES = "ci_llama70b_o_proj_d8,ci_llama70b_o_proj_d2,ci_min_tile_d2"
 
 
-def _load(name, path):
-  # Each script defines absl flags: load it once per process.
-  if name not in sys.modules:
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-  return sys.modules[name]
-
-
 @pytest.fixture(scope="module", autouse=True)
 def _forget_script_flags():
   """The scripts' absl flags leave with this file, so that a later test file can load another
   script that defines the same names (experiments/numerics.py's --mode)."""
   yield
-  for name in ("matmul_rs_bench", "plot_results"):
-    if sys.modules.pop(name, None) is not None:
-      for flag in FLAGS.get_flags_for_module(name):
-        delattr(FLAGS, flag.name)
+  helpers.forget_scripts("matmul_rs_bench", "plot_results")
 
 
 @pytest.fixture(scope="module")
 def bench():
-  module = _load("matmul_rs_bench", BENCH)
+  module = helpers.load_script("matmul_rs_bench")
   if not FLAGS.is_parsed():
     FLAGS.mark_as_parsed()
   return module
@@ -202,7 +189,7 @@ def test_smoke_end_to_end(tmp_path):
   assert res.returncode == 0, res.stderr[-3000:]
   assert "no performance claims" in res.stdout
   doc = json.loads(out.read_text())
-  bench = _load("matmul_rs_bench", BENCH)
+  bench = helpers.load_script("matmul_rs_bench")
   bench.validate_results(doc)
   assert doc["mode"] == "smoke" and doc["timer"] == "host_wall_clock"
   assert doc["environment"]["device_count"] == 8
@@ -233,7 +220,7 @@ def test_smoke_end_to_end(tmp_path):
 
 def test_plot_single_gpu_json(tmp_path):
   # Plots of a (synthetic) single_gpu results file.
-  plot = _load("plot_results", PLOT)
+  plot = helpers.load_script("plot_results")
   rec = {"status": "ok", "timing": {"stats": {"median": 10.0}}, "metrics": None}
   doc = {"mode": "single_gpu", "timer": "cupti", "performance_claims": True,
          "environment": {"device_kind": "H200", "device_count": 1},

@@ -5,40 +5,24 @@ The fused kernel cannot run on a CPU, so the script's NVLink mode is driven with
 unfused baseline, the error rule, the trailing collective, the stress loop and the exit code.
 """
 import json
-import os
-from pathlib import Path
-import subprocess
-import sys
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+import helpers
 
-DRIVER = """
-import importlib.util, sys
-sys.path.insert(0, {repo!r})
-from absl import app
-from pallas_rs import fused, reference
+STAND_INS = """
 def stand_in(x, w, *, axis_name, num_devices, config=None):
   out = reference.matmul_reduce_scatter(x, w, axis_name=axis_name)
   return out * {factor} if {factor} != 1 else out
 fused.fused_matmul_reduce_scatter = stand_in
-spec = importlib.util.spec_from_file_location("mgc", {script!r})
-mgc = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(mgc)
-app.run(mgc.main)
 """
 
 
 def _run(tmp_path, factor):
   out = tmp_path / "mg.json"
-  code = DRIVER.format(repo=str(REPO), script=str(REPO / "experiments" / "multi_gpu_check.py"),
-                       factor=factor)
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=8")
-  proc = subprocess.run(
-      [sys.executable, "-c", code, "--m=128", "--scale=64", "--stress_calls=4", f"--out={out}"],
-      capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+  proc = helpers.run_script_with_stand_ins(
+      "multi_gpu_check.py", ["--m=128", "--scale=64", "--stress_calls=4", f"--out={out}"],
+      stand_ins=STAND_INS.format(factor=factor))
   return proc, (json.loads(out.read_text()) if out.exists() else None)
 
 
