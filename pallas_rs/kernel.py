@@ -277,7 +277,7 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
     goes GMEM -> SMEM -> peer GMEM by TMA through `sets` SMEM buffers: the local loads run
     `prefetch` tiles ahead, so their latency overlaps the remote stores."""
     sets = config.comm_buffer_sets
-    prefetch = max(1, sets - 1)
+    prefetch, reuse_wait = schedule.comm_prefetch(sets)
     lag = schedule.COMM_SIGNAL_LAG
     comm_scoped = dict(
         buf=plgpu.SMEM((_NUM_COMPUTE_WGS, sets, tile_m, tile_n), part_dtype),
@@ -317,8 +317,8 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
             @pl.when(j + prefetch < count)
             def _():
               # Set (j + prefetch) % sets last held tile j + prefetch - sets; the
-              # sets - prefetch stores issued after it may still read SMEM, it may not.
-              plgpu.wait_smem_to_gmem(sets - prefetch, wait_read_only=True)
+              # stores issued after it may still read SMEM, it may not (schedule.py).
+              plgpu.wait_smem_to_gmem(reuse_wait, wait_read_only=True)
               load(j + prefetch)
 
             @pl.when(j >= lag)

@@ -150,6 +150,19 @@ def _comm_program(rank: int, cta: int, *, comm_ctas: int, num_devices: int,
   return events
 
 
+def comm_prefetch(sets: int) -> tuple[int, int]:
+  """(prefetch, reuse_wait) of a comm warpgroup with `sets` SMEM buffers (kernel.py).
+
+  Tile j's local load goes into buffer j % sets, `prefetch` tiles ahead of its store; before
+  it, the warpgroup waits until at most `reuse_wait` of its TMA stores may still read SMEM, so
+  that the store of the buffer's previous tile (j - sets) has read it (test_schedule checks
+  this against a model of the store queue)."""
+  if sets < 1:
+    raise ValueError(f"{sets=} must be >= 1")
+  prefetch = max(1, sets - 1)
+  return prefetch, sets - prefetch
+
+
 def rank_programs(rank: int, *, num_ctas: int, num_devices: int, tiles_per_chunk: int,
                   eager_signal_steps: int = 0, comm_ctas: int = 0) -> list[list[Event]]:
   return [cta_program(rank, c, num_ctas=num_ctas, num_devices=num_devices,

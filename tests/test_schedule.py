@@ -143,3 +143,39 @@ def test_push_before_staging_is_caught(monkeypatch):
   monkeypatch.setattr(schedule, "_comm_program", no_wait)
   with pytest.raises(RuntimeError, match="before it was staged"):
     schedule.simulate(num_ctas=8, num_devices=2, tiles_per_chunk=32, comm_ctas=2)
+
+
+@pytest.mark.parametrize("sets", [1, 2, 3, 4])
+@pytest.mark.parametrize("count", [1, 2, 5, 17])
+def test_comm_buffer_reuse(sets, count):
+  """A model of one comm warpgroup's loop (kernel.comm_program): loads run `prefetch` tiles
+  ahead into buffer j % sets; a load waits until at most `reuse_wait` stores are unread. Worst
+  case, a store is read only when a wait forces it. No load may overwrite a buffer whose
+  store is still unread, and every tile is loaded before its store."""
+  prefetch, reuse_wait = schedule.comm_prefetch(sets)
+  assert 1 <= prefetch and 0 <= reuse_wait < sets
+  unread = []  # tiles whose TMA store may still read their buffer, oldest first
+  loaded = {}
+
+  def load(j):
+    while len(unread) > reuse_wait:
+      unread.pop(0)
+    buf = j % sets
+    assert all(t % sets != buf for t in unread), (j, unread)
+    loaded[j] = buf
+
+  for j in range(min(prefetch, count)):  # The prologue: no store issued yet.
+    load(j)
+  for j in range(count):
+    assert j in loaded
+    unread.append(j)  # the store of tile j
+    if j + prefetch < count:
+      load(j + prefetch)
+  assert sorted(loaded) == list(range(count))
+
+
+def test_comm_buffer_reuse_model_catches_a_short_wait(monkeypatch):
+  real = schedule.comm_prefetch
+  monkeypatch.setattr(schedule, "comm_prefetch", lambda sets: (real(sets)[0], sets))
+  with pytest.raises(AssertionError):
+    test_comm_buffer_reuse(3, 5)
