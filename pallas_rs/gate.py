@@ -93,13 +93,29 @@ def choose(*, m: int, n: int, k_shard: int, dtype, num_devices: int, gpu_kind: s
   return _select(key, default, table)
 
 
+def _tuned_config(*, m: int, k_shard: int, n: int, dtype, num_devices: int):
+  """The config "fused" runs when the caller gives none: the table's tuned config for this
+  shape on this GPU kind (the best fused config measured, whether or not it beat XLA), else the
+  kernel's default. None where the kernel cannot take the shape (it then says why)."""
+  from pallas_rs import fused  # pylint: disable=g-import-not-at-top  (Mosaic GPU import chain)
+  try:
+    default = fused.check_supported(m=m, k_shard=k_shard, n=n, dtype=dtype,
+                                    num_devices=num_devices)
+  except NotImplementedError:
+    return None
+  key = tuning.make_key(m=m, n=n, k_shard=k_shard, dtype=dtype, num_devices=num_devices,
+                        gpu_kind=platform.device_kind())
+  return _select(key, default).config
+
+
 def choose_implementation(*, m: int, k_shard: int, n: int, dtype, num_devices: int,
                           scatter_dimension: int, implementation: str, config: Any,
                           axis_name=None) -> Resolved:
   """Resolves `implementation` of the row-parallel op, once per call.
 
-  "xla" and "fused" pass `config` through ("fused": the kernel checks it; off Hopper it raises
-  NotImplementedError on a non-Hopper GPU, and fails at run time saying so elsewhere). "auto":
+  "xla" passes `config` through; "fused" too, or without one the table's tuned config for the
+  shape (`_tuned_config`; the kernel checks it; on a non-Hopper GPU it raises
+  NotImplementedError, and fails at run time saying so elsewhere). "auto":
   see the module doc; the config of a "fused" result has passed `fused.check_supported`.
   ValueError from the kernel's checks propagates; NotImplementedError means "fall back".
   """
@@ -115,6 +131,8 @@ def choose_implementation(*, m: int, k_shard: int, n: int, dtype, num_devices: i
       raise NotImplementedError(
           platform.not_hopper_reason("implementation='fused' (the Mosaic GPU kernel)")
           + "; use implementation='auto' or 'xla'")
+    if config is None and platform.on_hopper():
+      config = _tuned_config(m=m, k_shard=k_shard, n=n, dtype=dtype, num_devices=num_devices)
     return Resolved("fused", config, None)
   if scatter_dimension != 0:
     return Resolved("xla", config,

@@ -375,6 +375,28 @@ def test_api_auto_consults_table(monkeypatch):
   assert impl == "xla" and "no measurement" in reason
 
 
+def test_fused_without_config_runs_the_tuned_config(monkeypatch):
+  """implementation="fused" forces the kernel; with no config it takes the table's tuned one
+  for the shape (also where XLA won: the best fused config measured), else the default."""
+  monkeypatch.setattr(platform, "on_hopper", lambda: True)
+  kind = jax.devices()[0].device_kind
+  fused_cfg = config_lib.Config(tile_m=64, tile_n=128, max_concurrent_steps=3)
+  xla_cfg = config_lib.Config(tile_m=128, tile_n=64, max_concurrent_steps=4)
+  forced = lambda m, config=None: gate.choose_implementation(
+      m=m, k_shard=K_SHARD, n=N, dtype=jnp.bfloat16, num_devices=8, scatter_dimension=0,
+      implementation="fused", config=config)
+  with tuning.use_table(_table(_entry(4096, cfg=fused_cfg, gpu_kind=kind),
+                               _entry(32768, "xla", cfg=xla_cfg, gpu_kind=kind))):
+    assert forced(4096) == ("fused", fused_cfg, None)
+    assert forced(32768) == ("fused", xla_cfg, None)
+    mine = config_lib.Config(tile_m=64, tile_n=64)
+    assert forced(4096, config=mine) == ("fused", mine, None)
+  default = config_lib.default_config(m=4096, n=N, k_shard=K_SHARD, num_devices=8)
+  with tuning.use_table(tuning.empty_table()):
+    impl, config, _ = forced(4096)
+  assert impl == "fused" and config == dataclasses.replace(default, num_sms=config.num_sms)
+
+
 def test_api_auto_off_hopper_ignores_table(monkeypatch):
   monkeypatch.setattr(platform, "on_hopper", lambda: False)
   with tuning.use_table(_table(_entry(4096, gpu_kind=jax.devices()[0].device_kind))):
