@@ -31,7 +31,7 @@ _NAMES = flags.DEFINE_list(
     "Shapes (pallas_rs.shapes) to time; k_shard = k // D.")
 _PROXY = flags.DEFINE_list(
     "proxy", ["llama70b_o_proj_m8192", "mixtral8x22b_w2_m2048"],
-    "Shapes also timed with k = K / 4 (at D = 2 the k_shard of D = 8).")
+    "Shapes also timed as their proxy8 case (k = K / 4: at D = 2 the k_shard of D = 8).")
 _VARIANTS = flags.DEFINE_list(
     "variants", ["v1", "c2", "c4", "c8", "c16", "c4_f32", "direct_f32"],
     "Config variants (overlap_probe.variant_config): v1, cN, oN, f32/bf16 tokens, e.g. c4_bf16.")
@@ -73,7 +73,7 @@ def main(argv):
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from pallas_rs import config as config_lib  # pylint: disable=g-import-not-at-top
-  from pallas_rs import fused, reference, shapes, testing, timing  # pylint: disable=g-import-not-at-top
+  from pallas_rs import fused, reference, shapes, testing, timing, tuning  # pylint: disable=g-import-not-at-top
 
   require_gpu(jax)
   gpus = jax.devices()
@@ -85,19 +85,22 @@ def main(argv):
   def save():
     bench_env.write_json(out_path, bench_env.sanitize(record))
 
-  def mesh_fns(d, m, n, k_shard, cfg, ablate=()):
-    mesh = jax.make_mesh((d,), ("tp",), devices=gpus[:d])
+  if d_nv >= 2:
+    mesh = jax.make_mesh((d_nv,), ("tp",), devices=gpus)
     specs = dict(mesh=mesh, in_specs=(P(None, "tp"), P("tp", None)), out_specs=P("tp", None),
                  check_vma=False)
-    fused_fn = jax.jit(jax.shard_map(functools.partial(
-        fused.fused_matmul_reduce_scatter, axis_name="tp", num_devices=d, config=cfg,
-        ablate=ablate), **specs))
-    return mesh, specs, fused_fn
+    unfused = jax.jit(jax.shard_map(functools.partial(
+        reference.matmul_reduce_scatter, axis_name="tp"), **specs))
 
-  def stacked_to_global(xs, ws, mesh):
-    x = jax.device_put(jnp.concatenate(list(xs), axis=1), NamedSharding(mesh, P(None, "tp")))
-    w = jax.device_put(jnp.concatenate(list(ws), axis=0), NamedSharding(mesh, P("tp", None)))
-    return x, w
+  def fused_fn(cfg, ablate=()):
+    return jax.jit(jax.shard_map(functools.partial(
+        fused.fused_matmul_reduce_scatter, axis_name="tp", num_devices=d_nv, config=cfg,
+        ablate=ablate), **specs))
+
+  def global_operands(seed, m, k_shard, n):
+    """x [m, D k_shard], w [D k_shard, n] generated in place on the mesh (pallas_rs.testing)."""
+    return testing.generate(seed, m, d_nv * k_shard, n, num_devices=d_nv,
+                            shardings=testing.row_parallel_shardings(mesh, "tp"))
 
   # ---------------------------------------------------------------- check
   if "check" in _WHAT.value:
@@ -108,8 +111,17 @@ def main(argv):
     for transport, d, m, n, k_shard in cases:
       if transport == "nvlink" and d < 2:
         continue
-      xs, ws = testing.stacked_inputs(jax.random.key(m + n + d), d, m, k_shard, n)
-      ref = testing.stacked_reference(xs, ws)
+      if transport == "nvlink":
+        args = global_operands(m + n + d, m, k_shard, n)
+        ref = testing.stacked_reference(*testing.split_inputs(*args, d))
+        check_unfused = unfused
+        get = lambda o, d=d, m=m, n=n: np.asarray(
+            jax.device_get(o).astype(np.float32)).reshape(d, m // d, n)
+      else:
+        args = testing.stacked_inputs(m + n + d, d, m, k_shard, n)
+        ref = testing.stacked_reference(*args)
+        check_unfused = jax.jit(reference.loopback_matmul_reduce_scatter)
+        get = lambda o: np.asarray(jax.device_get(o).astype(np.float32))
       base = config_lib.default_config(m=m, n=n, k_shard=k_shard, num_devices=d)
       outs = {}
       for name in _VARIANTS.value:
@@ -118,23 +130,16 @@ def main(argv):
           continue
         try:
           if transport == "nvlink":
-            mesh, specs, fn = mesh_fns(d, m, n, k_shard, cfg)
-            args = stacked_to_global(xs, ws, mesh)
-            unfused = jax.jit(jax.shard_map(functools.partial(
-                reference.matmul_reduce_scatter, axis_name="tp"), **specs))
-            get = lambda o: np.asarray(jax.device_get(o).astype(np.float32)).reshape(d, m // d, n)
+            fn = fused_fn(cfg)
           else:
             fn = jax.jit(functools.partial(fused.loopback_matmul_reduce_scatter, config=cfg))
-            args = (xs, ws)
-            unfused = jax.jit(reference.loopback_matmul_reduce_scatter)
-            get = lambda o: np.asarray(jax.device_get(o).astype(np.float32))
           a = get(fn(*args))
           b = get(fn(*args))
           err = reference.max_rel_error(a, ref)
-          err_unfused = reference.max_rel_error(get(unfused(*args)), ref)
+          err_unfused = reference.max_rel_error(get(check_unfused(*args)), ref)
           outs[name] = a
           row = dict(transport=transport, d=d, m=m, n=n, k_shard=k_shard, variant=name,
-                     config=dataclasses.asdict(cfg) | {"grid_minor_dim": cfg.grid_minor_dim.name},
+                     config=tuning.config_to_json(cfg),
                      err=err, err_unfused=err_unfused, ratio=err / err_unfused,
                      deterministic=bool(np.array_equal(a, b)),
                      nan=bool(np.isnan(a).any()))
@@ -149,16 +154,12 @@ def main(argv):
   # ---------------------------------------------------------------- time
   if "time" in _WHAT.value and d_nv >= 2:
     d = d_nv
-    todo = [(n_, False) for n_ in _NAMES.value] + [(n_, True) for n_ in _PROXY.value]
-    for name, proxy in todo:
-      case = shapes.by_name(name)
-      k = case.k // 4 if proxy else case.k
-      m, n, k_shard = case.m, case.n, k // d
-      label = name + ("_proxy8" if proxy else "")
-      xs, ws = testing.stacked_inputs(jax.random.key(1), d, m, k_shard, n)
+    todo = _NAMES.value + [name + "_proxy8" for name in _PROXY.value]  # shapes' proxy8 cases
+    for label in todo:
+      case = shapes.by_name(label)
+      m, n, k_shard = case.m, case.n, case.k // d
       base = config_lib.default_config(m=m, n=n, k_shard=k_shard, num_devices=d)
-      mesh, specs, _ = mesh_fns(d, m, n, k_shard, base)
-      args = stacked_to_global(xs, ws, mesh)
+      args = global_operands(1, m, k_shard, n)
       y = jax.device_put(jnp.zeros((m * d, n), jnp.bfloat16) + 1, NamedSharding(mesh, P("tp", None)))
       row = dict(name=label, d=d, m=m, n=n, k_shard=k_shard, times_us={}, configs={})
       base_fns = {
@@ -168,20 +169,19 @@ def main(argv):
           "xla_comm": (jax.jit(jax.shard_map(
               lambda t: lax.psum_scatter(t, "tp", scatter_dimension=0, tiled=True),
               mesh=mesh, in_specs=P("tp", None), out_specs=P("tp", None), check_vma=False)), (y,)),
-          "xla_seq": (jax.jit(jax.shard_map(functools.partial(
-              reference.matmul_reduce_scatter, axis_name="tp"), **specs)), args),
+          "xla_seq": (unfused, args),
       }
       for key, (fn, a) in base_fns.items():
         row["times_us"][key] = timing.time_function(fn, a, iterations=_ITERS.value,
                                                     num_devices=d).times_us
       for vname in _VARIANTS.value:
         cfg = variant_config(base, vname)
-        row["configs"][vname] = dataclasses.asdict(cfg) | {"grid_minor_dim": cfg.grid_minor_dim.name}
+        row["configs"][vname] = tuning.config_to_json(cfg)
         for ablate in ((), ("comm",)):
           key = vname + ("_nocomm" if ablate else "")
           t0 = time.time()
           try:
-            _, _, fn = mesh_fns(d, m, n, k_shard, cfg, ablate)
+            fn = fused_fn(cfg, ablate)
             row["times_us"][key] = timing.time_function(
                 fn, args, iterations=_ITERS.value, num_devices=d).times_us
           except Exception as e:  # pylint: disable=broad-except

@@ -118,9 +118,14 @@ class Config:
     return 4 if self.partial_dtype == "float32" else 2
 
   @property
+  def _comm_tile_bytes(self) -> int:
+    """One comm SMEM buffer: a warpgroup tile of partials."""
+    return self.tile_m * self.tile_n * self.partial_itemsize
+
+  @property
   def comm_buffer_sets(self) -> int:
     """SMEM buffers per comm warpgroup (whole warpgroup tiles): as many as fit, 1 to 3."""
-    tile = self.tile_m * self.tile_n * self.partial_itemsize
+    tile = self._comm_tile_bytes
     return next((s for s in (3, 2) if 2 * s * tile + SMEM_SLACK_BYTES <= SMEM_LIMIT_BYTES), 1)
 
   def smem_bytes(self, num_devices: int, itemsize: int = 2) -> int:
@@ -138,8 +143,7 @@ class Config:
     """Shared memory of a comm CTA (0 without comm CTAs)."""
     if not self.comm_ctas:
       return 0
-    tile = self.tile_m * self.tile_n * self.partial_itemsize
-    return 2 * self.comm_buffer_sets * tile + SMEM_SLACK_BYTES
+    return 2 * self.comm_buffer_sets * self._comm_tile_bytes + SMEM_SLACK_BYTES
 
   def fits_smem(self, num_devices: int, limit: int = SMEM_LIMIT_BYTES) -> bool:
     comm = self.comm_smem_bytes() if num_devices > 1 else 0

@@ -85,11 +85,12 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
   num_ctas = lax.axis_size("cluster_grid")
 
   def tile_slices(tile, wg_idx):
-    """Rows and columns of warpgroup `wg_idx`'s part of `tile`, within a [chunk, n] array."""
+    """(n_idx, slices): the tile's column block and the rows and columns of warpgroup
+    `wg_idx`'s part of it, within a [chunk, n] array."""
     m_idx, n_idx = plgpu.planar_snake(tile, (m_iters, n_iters), config.grid_minor_dim,
                                       config.grid_tile_width)
-    return m_idx, n_idx, (pl.ds(m_idx * cta_tile_m, tile_m),
-                          pl.ds(n_idx * cta_tile_n + wg_idx * tile_n, tile_n))
+    return n_idx, (pl.ds(m_idx * cta_tile_m, tile_m),
+                   pl.ds(n_idx * cta_tile_n + wg_idx * tile_n, tile_n))
 
   def get_pipeline(pipeline_body, compute_context):
     return plgpu.emit_pipeline_warp_specialized(
@@ -196,7 +197,7 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
         step, tile = schedule.step_and_tile(lin_idx, tiles)
         offset = schedule.dst_offset(step, d)
         dst = lax.rem(rank + offset, d)
-        _, n_idx, slices = tile_slices(tile, wg_idx)
+        n_idx, slices = tile_slices(tile, wg_idx)
         row0 = slices[0].start
         cta_n_slice = pl.ds(n_idx * cta_tile_n, cta_tile_n)
         wg_n_slice = pl.ds(wg_idx * tile_n, tile_n)
@@ -300,7 +301,7 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
             tile = tile_of(j)
             transport.wait_staged(sems, rank, step, tile, wg_idx)
             s = lax.rem(j, sets)
-            plgpu.copy_gmem_to_smem(stage_local.at[step].at[tile_slices(tile, wg_idx)[2]],
+            plgpu.copy_gmem_to_smem(stage_local.at[step].at[tile_slices(tile, wg_idx)[1]],
                                     buf.at[wg_idx, s], barrier.at[wg_idx * sets + s])
 
           for i in range(prefetch):
@@ -312,7 +313,7 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
             tile = tile_of(j)
             s = lax.rem(j, sets)
             plgpu.barrier_wait(barrier.at[wg_idx * sets + s])
-            plgpu.copy_smem_to_gmem(buf.at[wg_idx, s], dst_recv.at[tile_slices(tile, wg_idx)[2]])
+            plgpu.copy_smem_to_gmem(buf.at[wg_idx, s], dst_recv.at[tile_slices(tile, wg_idx)[1]])
 
             @pl.when(j + prefetch < count)
             def _():
