@@ -90,14 +90,15 @@ def cta_tiles(cta: int, num_ctas: int, num_devices: int, tiles_per_chunk: int) -
 def cta_program(rank: int, cta: int, *, num_ctas: int, num_devices: int,
                 tiles_per_chunk: int, eager_signal_steps: int = 0,
                 comm_ctas: int = 0) -> list[Event]:
-  """The ordered events of CTA `cta` of `num_ctas` (a rank's whole grid), mirroring kernel.py."""
+  """The ordered events of CTA `cta` of `num_ctas` (a rank's whole grid), mirroring kernel.py.
+  Events name the CTA by its grid index; a compute CTA picks its tiles by its index among the
+  compute CTAs."""
   d = num_devices
-  if comm_ctas and d > 1:
-    if cta < comm_ctas:
-      return _comm_program(rank, cta, comm_ctas=comm_ctas, num_devices=d,
-                           tiles_per_chunk=tiles_per_chunk)
-    cta, num_ctas = cta - comm_ctas, num_ctas - comm_ctas
   staged = bool(comm_ctas) and d > 1
+  if staged and cta < comm_ctas:
+    return _comm_program(rank, cta, comm_ctas=comm_ctas, num_devices=d,
+                         tiles_per_chunk=tiles_per_chunk)
+  first = comm_ctas if staged else 0  # Compute CTAs are the grid's CTAs first, first + 1, ...
   first_eager = first_eager_step(d, eager_signal_steps)
   deferred = lambda e: e is not None and e.step < first_eager  # A remote, lazy signal.
 
@@ -108,7 +109,7 @@ def cta_program(rank: int, cta: int, *, num_ctas: int, num_devices: int,
 
   events = []
   prev = None
-  for lin in cta_tiles(cta, num_ctas, d, tiles_per_chunk):
+  for lin in cta_tiles(cta - first, num_ctas - first, d, tiles_per_chunk):
     step, tile = step_and_tile(lin, tiles_per_chunk)
     dst = (rank + dst_offset(step, d)) % d
     events.append(Event("compute", rank, cta, step, tile, dst))

@@ -23,8 +23,8 @@ def _check(d, tiles, num_ctas, comm_ctas=0, eager=0):
   # Every rank computes every tile of every chunk exactly once.
   assert set(computed.values()) == {1}
   assert len(computed) == d * d * tiles
-  if comm_ctas and d > 1:  # ... on compute CTAs only.
-    assert all(e.cta >= 0 for e in trace if e.kind == "compute")
+  if comm_ctas and d > 1:  # ... on compute CTAs only (grid indices comm_ctas and up).
+    assert all(e.cta >= comm_ctas for e in trace if e.kind == "compute")
     assert not any(e.kind == "compute" for e in schedule.cta_program(
         0, 0, num_ctas=num_ctas, num_devices=d, tiles_per_chunk=tiles, comm_ctas=comm_ctas))
   # Every output tile is produced (reduced) exactly once, by its owner.
