@@ -177,8 +177,11 @@ def main(argv):
       for vname in _VARIANTS.value:
         cfg = variant_config(base, vname)
         row["configs"][vname] = tuning.config_to_json(cfg)
-        for ablate in ((), ("comm",)):
-          key = vname + ("_nocomm" if ablate else "")
+        # "_nogemm": the kernel without its mainloop, i.e. its data movement alone; with comm
+        # CTAs that is their push rate inside the kernel (comm_gbps below).
+        ablations = ((), ("comm",)) + ((("gemm",),) if cfg.comm_ctas else ())
+        for ablate in ablations:
+          key = vname + {(): "", ("comm",): "_nocomm", ("gemm",): "_nogemm"}[ablate]
           t0 = time.time()
           try:
             fn = fused_fn(cfg, ablate)
@@ -187,6 +190,15 @@ def main(argv):
           except Exception as e:  # pylint: disable=broad-except
             row.setdefault("errors", {})[key] = repr(e)[:500]
           print(label, key, f"{time.time() - t0:.1f}s", flush=True)
+      # Bytes each GPU sends: its D - 1 peer chunks of partials.
+      for vname, cfg_json in row["configs"].items():
+        times = row["times_us"].get(vname + "_nogemm")
+        if times:
+          itemsize = 4 if cfg_json["partial_dtype"] == "float32" else 2
+          sent = (d - 1) * (m // d) * n * itemsize
+          gbps = sent / (statistics.median(times) * 1e3)
+          row.setdefault("comm_gbps", {})[vname] = dict(
+              total=gbps, per_comm_cta=gbps / cfg_json["comm_ctas"], bytes_per_gpu=sent)
       record["rows"].append(row)
       save()
       med = {k_: statistics.median(v) for k_, v in row["times_us"].items()}
@@ -206,6 +218,8 @@ def main(argv):
       cells = [f"{v}:{med.get(v, float('nan')):.0f}/{med.get(v + '_nocomm', float('nan')):.0f}"
                for v in _VARIANTS.value]
       print(head, " ".join(cells))
+      for v, g in r.get("comm_gbps", {}).items():
+        print(f"{'':30} {v}: comm alone {g['total']:.0f} GB/s, {g['per_comm_cta']:.1f} per comm CTA")
   print("wrote", out_path)
 
 

@@ -17,6 +17,21 @@ SMEM_SLACK_BYTES = 2_048
 # can be lowered without a GPU (jax.export from a CPU machine).
 DEFAULT_NUM_SMS = 132
 PARTIAL_DTYPES = ("bfloat16", "float32")
+# Largest TMA copy of a comm CTA: 4 x 32 KB loads in flight reach one SM's peak pull rate
+# (~94 GB/s, docs/design.md section 3.2).
+COMM_COPY_BYTES = 32 * 1024
+# How the owner adds the D partials of its chunk (docs/design.md section 5):
+#   "fp32": into its own fp32 accumulator, in slot order, one rounding at the end;
+#   "bf16_ring": the unfused path's arithmetic - its own partial rounded to bf16, then the D bf16
+#     partials added in NCCL's ring order (sources r+1, ..., r+D-1, then r) with a bf16 rounding
+#     after every add.
+OWNER_SUMS = ("fp32", "bf16_ring")
+# The numerics modes users and the tuner choose between: name -> (partial_dtype, owner_sum).
+NUMERICS_MODES = {
+    "fp32_partials": ("float32", "fp32"),
+    "bf16_partials": ("bfloat16", "fp32"),
+    "unfused_order": ("bfloat16", "bf16_ring"),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,16 +56,20 @@ class Config:
     eager_signal_steps: how many of the last remote steps (destinations) announce each
       tile as soon as its store lands, instead of at the start of the CTA's next epilogue
       (schedule.py). 0 (default) defers every signal; D - 1 or more makes all eager.
-    comm_ctas: CTAs per rank that only move partial tiles to their owners (docs/design.md
-      section 3). 0: the compute CTAs TMA-store each peer tile straight to its owner. n > 0:
-      compute CTAs store peer tiles to a local staging buffer (HBM speed) and these n CTAs
-      push them over NVLink, so no compute SM waits at NVLink pace.
+    comm_ctas: CTAs per rank that only move partial tiles (docs/design.md section 3.2).
+      0 (kernel v1): the compute CTAs TMA-store each peer tile straight to its owner. n > 0
+      (kernel v3): compute CTAs store every peer tile to a local staging buffer (HBM speed)
+      and never touch NVLink; the owner's n comm CTAs pull the tiles from the peers' staging
+      buffers into its receive slots.
     out_slots: SMEM slots per compute warpgroup for epilogue sub-tiles on their way out; 0
       (default) is min(2, sub-tiles). As many as a warpgroup tile has sub-tiles lets the
       epilogue hand a whole peer tile to TMA without waiting for NVLink to drain any of it.
     partial_dtype: dtype of the partial tiles sent to their owners, "bfloat16" or "float32".
       With float32 the owner rounds the sum of all D partials once (never less accurate
       than the unfused bf16 reduce-scatter), at twice the bytes.
+    owner_sum: how the owner adds the partials (OWNER_SUMS): "fp32" (its fp32 accumulator,
+      slot order, one rounding) or "bf16_ring" (bf16 partials only: the unfused path's
+      arithmetic, bit for bit wherever the partials equal cuBLAS's). `numerics` names the pair.
   """
   tile_m: int = 128
   tile_n: int = 128
@@ -66,6 +85,7 @@ class Config:
   comm_ctas: int = 0
   out_slots: int = 0
   partial_dtype: str = "bfloat16"
+  owner_sum: str = "fp32"
 
   def __post_init__(self):
     tile_m, tile_n, tile_k = self.tile_m, self.tile_n, self.tile_k
@@ -98,6 +118,11 @@ class Config:
       raise ValueError(f"comm_ctas={self.comm_ctas} must be >= 0")
     if self.partial_dtype not in PARTIAL_DTYPES:
       raise ValueError(f"partial_dtype={self.partial_dtype!r} must be one of {PARTIAL_DTYPES}")
+    if self.owner_sum not in OWNER_SUMS:
+      raise ValueError(f"owner_sum={self.owner_sum!r} must be one of {OWNER_SUMS}")
+    if self.owner_sum == "bf16_ring" and self.partial_dtype != "bfloat16":
+      raise ValueError(f"owner_sum='bf16_ring' adds bf16 partials; partial_dtype="
+                       f"{self.partial_dtype!r} must be 'bfloat16'")
     object.__setattr__(self, "grid_minor_dim", MatmulDimension(self.grid_minor_dim))
 
   @property
@@ -114,19 +139,33 @@ class Config:
     return min(self.out_slots or 2, sub_tiles)
 
   @property
+  def numerics(self) -> str:
+    """The numerics mode (a key of NUMERICS_MODES) of (partial_dtype, owner_sum)."""
+    return next(k for k, v in NUMERICS_MODES.items() if v == (self.partial_dtype, self.owner_sum))
+
+  @property
   def partial_itemsize(self) -> int:
     return 4 if self.partial_dtype == "float32" else 2
 
   @property
-  def _comm_tile_bytes(self) -> int:
-    """One comm SMEM buffer: a warpgroup tile of partials."""
-    return self.tile_m * self.tile_n * self.partial_itemsize
+  def comm_rows(self) -> int:
+    """Rows of one comm copy (a row block of a warpgroup tile): at most COMM_COPY_BYTES, the
+    size at which one SM's TMA loads from a peer reach its full rate with 4 in flight
+    (docs/design.md section 3.2)."""
+    rows = self.tile_m
+    while rows > 8 and rows * self.tile_n * self.partial_itemsize > COMM_COPY_BYTES:
+      rows //= 2
+    return rows
+
+  @property
+  def _comm_copy_bytes(self) -> int:
+    return self.comm_rows * self.tile_n * self.partial_itemsize
 
   @property
   def comm_buffer_sets(self) -> int:
-    """SMEM buffers per comm warpgroup (whole warpgroup tiles): as many as fit, 1 to 3."""
-    tile = self._comm_tile_bytes
-    return next((s for s in (3, 2) if 2 * s * tile + SMEM_SLACK_BYTES <= SMEM_LIMIT_BYTES), 1)
+    """SMEM buffers per comm warpgroup (one comm copy each): as many as fit, 1 to 4."""
+    copy = self._comm_copy_bytes
+    return next((s for s in (4, 3, 2) if 2 * s * copy + SMEM_SLACK_BYTES <= SMEM_LIMIT_BYTES), 1)
 
   def smem_bytes(self, num_devices: int, itemsize: int = 2) -> int:
     """Shared memory of a compute CTA, as allocated by kernel.py (plus a fixed slack)."""
@@ -143,7 +182,7 @@ class Config:
     """Shared memory of a comm CTA (0 without comm CTAs)."""
     if not self.comm_ctas:
       return 0
-    return 2 * self.comm_buffer_sets * self._comm_tile_bytes + SMEM_SLACK_BYTES
+    return 2 * self.comm_buffer_sets * self._comm_copy_bytes + SMEM_SLACK_BYTES
 
   def fits_smem(self, num_devices: int, limit: int = SMEM_LIMIT_BYTES) -> bool:
     comm = self.comm_smem_bytes() if num_devices > 1 else 0
@@ -186,11 +225,21 @@ def default_partial_dtype(num_devices: int) -> str:
 
 
 def with_partial_dtype(cfg: Config, partial_dtype: str, num_devices: int) -> Config:
-  """`cfg` sending `partial_dtype` partials: the epilogue sub-tile narrowed and the pipeline
-  shortened as far as needed to fit SMEM (the caller still checks the shape)."""
-  cfg = dataclasses.replace(cfg, partial_dtype=partial_dtype,
+  """`cfg` sending `partial_dtype` partials (owner sum in fp32): the epilogue sub-tile narrowed
+  and the pipeline shortened as far as needed to fit SMEM (the caller still checks the shape)."""
+  cfg = dataclasses.replace(cfg, partial_dtype=partial_dtype, owner_sum="fp32",
                             epi_tile_n=_epi_tile_n(cfg.tile_n, partial_dtype))
   return fit_smem(cfg, num_devices)
+
+
+def with_numerics(cfg: Config, mode: str, num_devices: int) -> Config:
+  """`cfg` in numerics mode `mode` (a key of NUMERICS_MODES), fitted to SMEM as
+  `with_partial_dtype` does."""
+  if mode not in NUMERICS_MODES:
+    raise ValueError(f"numerics mode {mode!r} must be one of {tuple(NUMERICS_MODES)}")
+  partial_dtype, owner_sum = NUMERICS_MODES[mode]
+  return dataclasses.replace(with_partial_dtype(cfg, partial_dtype, num_devices),
+                             owner_sum=owner_sum)
 
 
 def fit_smem(cfg: Config, num_devices: int) -> Config:

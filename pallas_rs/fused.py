@@ -149,7 +149,7 @@ def fused_matmul_reduce_scatter(x, w, *, axis_name, num_devices: int,
   """Inside shard_map over `axis_name` (size num_devices): x [m, k_shard], w [k_shard, n]
   -> [m // num_devices, n] (row chunk `axis_index` of sum over devices of x @ w).
 
-  `ablate` ("comm", "reduce"): leave a stage out, for timing only; the result is then wrong
+  `ablate` (kernel.ABLATIONS: "comm", "reduce", "gemm"): leave a stage out, for timing only; the result is then wrong
   (kernel.kernel_body says what each leaves out)."""
   m, k_shard = x.shape
   n = w.shape[1]

@@ -32,7 +32,12 @@ def _swizzled(block_minor_elems: int, dtype) -> tuple:
   return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-ABLATIONS = frozenset({"comm", "reduce"})
+ABLATIONS = frozenset({"comm", "reduce", "gemm"})
+
+
+def _round(x, dtype):
+  """x (f32) rounded to `dtype` and back: one rounding of the unfused path's running sum."""
+  return x.astype(dtype).astype(jnp.float32)
 
 
 def _strided_loop(start, stride, total, body):
@@ -54,7 +59,9 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
   `skip` leaves stages out, for timing only (the output is then wrong): "comm" keeps every
   partial tile local (stored into this rank's own receive slots, or only staged) and drops
   the pushes, signals and waits (same local traffic, no NVLink, no synchronisation); "reduce"
-  keeps the waits but not the loads and adds of the received partials.
+  keeps the waits but not the loads and adds of the received partials; "gemm" skips the
+  mainloop (every epilogue handles a tile of zeros), so that the kernel's time is that of its
+  data movement (the comm CTAs' push rate, measured inside the kernel).
   """
   assert skip <= ABLATIONS, skip
   d = num_devices
@@ -81,6 +88,8 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
   part_transforms = _swizzled(epi_n, part_dtype)
   sems = transport.semaphores(tiles, d - 1 if num_comm else 0) if d > 1 else None
   first_eager = schedule.first_eager_step(d, config.eager_signal_steps)
+  ring = config.owner_sum == "bf16_ring" and d > 1
+  slot_order = schedule.ring_slots(d) if ring else tuple(range(d - 1))
   cta = lax.axis_index("cluster_grid")
   num_ctas = lax.axis_size("cluster_grid")
 
@@ -159,10 +168,12 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
           plgpu.copy_smem_to_gmem(smem.at[wg_idx, slot], dst_ref.at[epi_slices(mi, ni)])
 
       def reduce_tile(acc, tile, slices):
-        """acc (f32) + received partials in slot order, rounded once, -> own output tile."""
+        """The own tile's sum of all D partials -> out_dtype sub-tiles (config.owner_sum):
+        "fp32": acc (f32) + the received partials in slot order, rounded once;
+        "bf16_ring": the unfused path's arithmetic, schedule.ring_slots."""
         if "comm" not in skip:
           transport.wait(sems, rank, tile, wg_idx, d - 1)
-        loads = [(mi, ni, j) for mi, ni in epi_tiles for j in range(d - 1)]
+        loads = [(mi, ni, j) for mi, ni in epi_tiles for j in slot_order]
         if "reduce" in skip:
           loads = []
 
@@ -181,16 +192,24 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
         summed = []
         for mi, ni in epi_tiles:
           sm, sn = epi_slices(mi, ni)
-          sub = acc[sm, sn]
+          own = acc[sm, sn]
+          run = None  # bf16_ring: the running bf16 sum (held in f32)
           for _ in range(len(loads) // len(epi_tiles)):
             buf = i % recv_stages
             plgpu.barrier_wait(part_barrier.at[wg_idx * recv_stages + buf])
-            sub = sub + part_smem[wg_idx, buf].astype(jnp.float32)
+            part = part_smem[wg_idx, buf].astype(jnp.float32)
+            if ring:
+              run = part if run is None else _round(run + part, out_dtype)
+            else:
+              own = own + part
             if i + recv_stages < len(loads):
               plgpu.commit_smem()  # Every thread has read `buf` before TMA overwrites it.
               issue(i + recv_stages)
             i += 1
-          summed.append(sub.astype(out_dtype))
+          if ring and run is not None:
+            # The own partial comes last in the ring, rounded like every other partial.
+            own = run + _round(own, out_dtype)
+          summed.append(own.astype(out_dtype))
         return summed
 
       def tile_body(lin_idx, local_step):
@@ -254,11 +273,16 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
           plgpu.wgmma_wait(0)
           return acc_ref
 
-        get_pipeline(mma_body, compute_context)(
-            x_gmem.at[pl.ds(dst * chunk + row0, cta_tile_m), :],
-            w_gmem.at[:, cta_n_slice],
-            allocations=pipeline_allocs,
-        )
+        if "gemm" in skip:
+          @pl.when(wg_idx < _NUM_COMPUTE_WGS)
+          def _():
+            compute_context(lambda acc_ref: None)  # The epilogue of a tile of zeros.
+        else:
+          get_pipeline(mma_body, compute_context)(
+              x_gmem.at[pl.ds(dst * chunk + row0, cta_tile_m), :],
+              w_gmem.at[:, cta_n_slice],
+              allocations=pipeline_allocs,
+          )
 
       total = d * tiles
       count = _strided_loop(cta_index, num_compute, total, tile_body)
@@ -272,72 +296,67 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
           announce(last_step, last_tile)
 
   def comm_program(comm_index):
-    """Comm CTA `comm_index` of `num_comm`: for each peer in schedule order, pushes the staged
-    tiles comm_index, +num_comm, ... (each compute warpgroup's half by the warpgroup of the same
-    index) to the owner's receive slot and signals the owner once they have landed. Each tile
-    goes GMEM -> SMEM -> peer GMEM by TMA through `sets` SMEM buffers: the local loads run
-    `prefetch` tiles ahead, so their latency overlaps the remote stores."""
+    """Comm CTA `comm_index` of `num_comm` (kernel v3, docs/design.md section 3.2): for each
+    peer in schedule order, pushes the staged tiles comm_index, +num_comm, ... to the owner's
+    receive slot and signals the owner once they have landed. Warpgroup w moves compute
+    warpgroup w's half tile in row blocks of `comm_rows`: registers <- local staging (LSU
+    loads), -> one of `sets` SMEM buffers -> the owner (TMA store). The local reads are not
+    TMA loads because an SM's TMA load waits until its own earlier remote TMA stores have
+    drained (measured, section 8 of the shared design): LSU loads keep the stores streaming."""
     sets = config.comm_buffer_sets
-    prefetch, reuse_wait = schedule.comm_prefetch(sets)
+    rows = config.comm_rows
+    blocks = tile_m // rows
     lag = schedule.COMM_SIGNAL_LAG
-    comm_scoped = dict(
-        buf=plgpu.SMEM((_NUM_COMPUTE_WGS, sets, tile_m, tile_n), part_dtype),
-        barrier=plgpu.Barrier(num_barriers=_NUM_COMPUTE_WGS * sets),
-    )
+    comm_scoped = dict(buf=plgpu.SMEM((_NUM_COMPUTE_WGS, sets, rows, tile_n), part_dtype))
 
     @functools.partial(pl.run_scoped, collective_axes="wg", **comm_scoped)
-    def _scope(buf, barrier):
+    def _scope(buf):
       wg_idx = lax.axis_index("wg")
 
       @pl.when(wg_idx < _NUM_COMPUTE_WGS)
       def _pusher():
-        count = jnp.maximum(tiles - comm_index + num_comm - 1, 0) // num_comm
-        tile_of = lambda j: comm_index + j * num_comm
+        num_tiles = jnp.maximum(tiles - comm_index + num_comm - 1, 0) // num_comm
+        tile_of = lambda q: comm_index + q * num_comm
+
+        def block(j):
+          rs, cs = tile_slices(tile_of(j // blocks), wg_idx)[1]
+          return pl.ds(rs.start + lax.rem(j, blocks) * rows, rows), cs
+
         for o in range(1, d):  # Static peers: see transport.py.
           step = o - 1
-          dst_recv = transport.peer_recv(recv_gmem, rank, o).at[schedule.recv_slot(step)]
+          src = stage_local.at[step]
+          dst = transport.peer_recv(recv_gmem, rank, o).at[schedule.recv_slot(step)]
 
-          def load(j, step=step):
-            tile = tile_of(j)
-            transport.wait_staged(sems, rank, step, tile, wg_idx)
-            s = lax.rem(j, sets)
-            plgpu.copy_gmem_to_smem(stage_local.at[step].at[tile_slices(tile, wg_idx)[1]],
-                                    buf.at[wg_idx, s], barrier.at[wg_idx * sets + s])
+          def push(j, carry, o=o, step=step, src=src, dst=dst):
+            q = j // blocks
 
-          for i in range(prefetch):
-            @pl.when(i < count)
-            def _(i=i, load=load):
-              load(i)
-
-          def push(j, carry, o=o, dst_recv=dst_recv, load=load):
-            tile = tile_of(j)
-            s = lax.rem(j, sets)
-            plgpu.barrier_wait(barrier.at[wg_idx * sets + s])
-            plgpu.copy_smem_to_gmem(buf.at[wg_idx, s], dst_recv.at[tile_slices(tile, wg_idx)[1]])
-
-            @pl.when(j + prefetch < count)
+            @pl.when(lax.rem(j, blocks) == 0)
             def _():
-              # Set (j + prefetch) % sets last held tile j + prefetch - sets; the
-              # stores issued after it may still read SMEM, it may not (schedule.py).
-              plgpu.wait_smem_to_gmem(reuse_wait, wait_read_only=True)
-              load(j + prefetch)
+              transport.wait_staged(sems, rank, step, tile_of(q), wg_idx)
+            part = src.at[block(j)][...]
+            b = lax.rem(j, sets)
+            # Buffer b last held block j - sets: its store must have read it.
+            plgpu.wait_smem_to_gmem(sets - 1, wait_read_only=True)
+            buf[wg_idx, b] = part
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(buf.at[wg_idx, b], dst.at[block(j)])
 
-            @pl.when(j >= lag)
+            @pl.when((lax.rem(j, blocks) == blocks - 1) & (q >= lag))
             def _():
-              # Tile j - lag has landed once at most `lag` later stores are pending. The lag
-              # keeps that many tiles in flight on NVLink beyond what SMEM holds.
-              plgpu.wait_smem_to_gmem(lag, wait_read_only=False)
-              transport.signal(sems, rank, o, tile_of(j - lag), wg_idx)
+              # Tile q - lag has landed once at most `lag` later tiles' stores are pending;
+              # the lag keeps that many tiles in flight on NVLink.
+              plgpu.wait_smem_to_gmem(lag * blocks, wait_read_only=False)
+              transport.signal(sems, rank, o, tile_of(q - lag), wg_idx)
             return carry
 
-          lax.fori_loop(0, count, push, None)
+          lax.fori_loop(0, num_tiles * blocks, push, None)
           plgpu.wait_smem_to_gmem(0, wait_read_only=False)
 
-          def drain(j, carry, o=o):
-            transport.signal(sems, rank, o, tile_of(j), wg_idx)
+          def drain(q, carry, o=o):
+            transport.signal(sems, rank, o, tile_of(q), wg_idx)
             return carry
 
-          lax.fori_loop(jnp.maximum(count - lag, 0), count, drain, None)
+          lax.fori_loop(jnp.maximum(num_tiles - lag, 0), num_tiles, drain, None)
 
   if num_comm and "comm" not in skip:
     @pl.when(cta < num_comm)

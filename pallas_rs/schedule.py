@@ -52,6 +52,13 @@ def source_of_slot(rank: int, slot: int, num_devices: int) -> int:
   return (rank - slot - 1) % num_devices
 
 
+def ring_slots(num_devices: int) -> tuple[int, ...]:
+  """Receive slots in NCCL's ring order for owner_sum="bf16_ring": the unfused reduce-scatter
+  of chunk r adds the partials of sources r+1, r+2, ..., r+D-1 (the first one is the initial
+  running sum), then r's own; source r+i sits in slot D-1-i (source_of_slot)."""
+  return tuple(range(num_devices - 2, -1, -1))
+
+
 def own_step(num_devices: int) -> int:
   return num_devices - 1
 

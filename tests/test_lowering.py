@@ -237,7 +237,7 @@ def test_comm_ctas_and_partial_dtypes_lower(d, comm, out_slots, partial_dtype):
   _export_shard_map(1024, 1024, 1024, d, config=cfg)
   xs = jax.ShapeDtypeStruct((d, 256 * d, 256), jnp.bfloat16)
   ws = jax.ShapeDtypeStruct((d, 256, 512), jnp.bfloat16)
-  for ablate in ((), ("comm",)):
+  for ablate in ((), ("comm",)) + ((("gemm",),) if comm else ()):
     exported = jax.export.export(jax.jit(functools.partial(
         fused.loopback_matmul_reduce_scatter, config=cfg, ablate=ablate)), platforms=["cuda"])(
             xs, ws)

@@ -52,6 +52,9 @@ def test_overlap_probe_plumbing(tmp_path):
   (row,) = result["rows"]
   assert row["d"] == 8
   assert set(row["times_us"]) == {"xla_gemm", "xla_comm", "xla_seq", "v1", "v1_nocomm",
-                                  "c2_bf16", "c2_bf16_nocomm"}
+                                  "c2_bf16", "c2_bf16_nocomm", "c2_bf16_nogemm"}
   assert row["configs"]["c2_bf16"]["comm_ctas"] == 2
+  rate = row["comm_gbps"]["c2_bf16"]  # From the stand-in's times: plumbing only.
+  assert rate["bytes_per_gpu"] == 7 * (row["m"] // 8) * row["n"] * 2
+  assert rate["per_comm_cta"] == pytest.approx(rate["total"] / 2)
   assert result["environment"]["jax_version"]
