@@ -43,7 +43,8 @@ _OUT = flags.DEFINE_string("out", "", "JSON output path.")
 
 def variant_config(base, name: str):
   """The config of a variant name, "_"-separated tokens applied to `base`: v1 (as is: the
-  direct push), cN (N comm CTAs), oN (N epilogue SMEM slots), f32 / bf16 (partial dtype);
+  direct push), cN (N comm CTAs), oN (N epilogue SMEM slots), f32 / bf16 (partial dtype),
+  ring (numerics mode "unfused_order": bf16 partials summed in the unfused path's order);
   then fitted to SMEM at D = 2 (`config.fit_smem`)."""
   from pallas_rs import config as config_lib  # pylint: disable=g-import-not-at-top
   cfg = base
@@ -51,6 +52,8 @@ def variant_config(base, name: str):
     if token in ("f32", "bf16"):
       cfg = config_lib.with_partial_dtype(
           cfg, "float32" if token == "f32" else "bfloat16", 2)
+    elif token == "ring":
+      cfg = config_lib.with_numerics(cfg, "unfused_order", 2)
     elif token[0] in "co" and token[1:].isdigit():
       field = "comm_ctas" if token[0] == "c" else "out_slots"
       cfg = dataclasses.replace(cfg, **{field: int(token[1:])})
@@ -136,15 +139,20 @@ def main(argv):
           a = get(fn(*args))
           b = get(fn(*args))
           err = reference.max_rel_error(a, ref)
-          err_unfused = reference.max_rel_error(get(check_unfused(*args)), ref)
-          outs[name] = a
+          unfused_out = get(check_unfused(*args))
+          err_unfused = reference.max_rel_error(unfused_out, ref)
           row = dict(transport=transport, d=d, m=m, n=n, k_shard=k_shard, variant=name,
                      config=tuning.config_to_json(cfg),
                      err=err, err_unfused=err_unfused, ratio=err / err_unfused,
                      deterministic=bool(np.array_equal(a, b)),
-                     nan=bool(np.isnan(a).any()))
-          if not name.endswith("f32") and "v1" in outs:
-            row["bits_equal_v1"] = bool(np.array_equal(a, outs["v1"]))
+                     nan=bool(np.isnan(a).any()),
+                     share_equal_unfused=float(np.mean(a == unfused_out)))
+          # Same arithmetic, other transport: the bits must equal the direct push's (the
+          # first variant without comm CTAs in the same numerics mode).
+          same = outs.setdefault(("v1", cfg.numerics), a) if not cfg.comm_ctas else (
+              outs.get(("v1", cfg.numerics)))
+          if same is not None:
+            row["bits_equal_v1"] = bool(np.array_equal(a, same))
         except Exception as e:  # pylint: disable=broad-except
           row = dict(transport=transport, d=d, m=m, n=n, variant=name, error=repr(e)[:500])
         record["checks"].append(row)
@@ -205,11 +213,12 @@ def main(argv):
       print(label, {k_: round(v, 1) for k_, v in med.items()}, flush=True)
 
   # ---------------------------------------------------------------- summary
-  print("\nchecks: variant transport D ratio deterministic bits_equal_v1")
+  print("\nchecks: variant transport D ratio deterministic bits_equal_v1 share_equal_unfused")
   for c in record["checks"]:
     print(f"  {c['variant']:12} {c['transport']:8} {c['d']} "
           f"{c.get('ratio', float('nan')):.3f} {c.get('deterministic')} "
-          f"{c.get('bits_equal_v1', '-')} {c.get('error', '')[:80]}")
+          f"{c.get('bits_equal_v1', '-')} {c.get('share_equal_unfused', float('nan')):.4f} "
+          f"{c.get('error', '')[:80]}")
   if record["rows"]:
     print("\ntimes (us, median): shape gemm comm seq | variant fused/nocomm ...")
     for r in record["rows"]:

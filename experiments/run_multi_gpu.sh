@@ -36,9 +36,11 @@ llama70b_o_proj_m512,llama70b_o_proj_m32768,mixtral8x22b_w2_m2048,llama70b_down_
   probe)
     # Direct push vs whole-tile epilogue slots vs comm CTAs, bf16 and fp32 partials, with
     # their no-comm ablations (docs/design.md section 3.2).
-    timeout 560 python3 experiments/overlap_probe.py --what=check,time --iterations=30 \
-      --variants=v1_bf16,v1,o4_bf16,o4,c2_bf16,c4_bf16,c8_bf16,c4 \
-      --out="$out/overlap_probe.json" 2>&1 | quiet | tail -40 ;;
+    # v3 comm CTAs (c*) also time without their mainloop (_nogemm: the in-kernel push rate).
+    timeout 570 python3 experiments/overlap_probe.py --what=check,time --iterations=30 \
+      --variants=v1_bf16,c2_bf16,c4_bf16,c8_bf16,ring,c4_ring,v1,c4 \
+      --names=llama70b_o_proj_m512,mixtral8x22b_o_proj_m2048,llama70b_o_proj_m8192,llama70b_down_proj_m8192 \
+      --proxy=llama70b_o_proj_m8192 --out="$out/overlap_probe.json" 2>&1 | quiet | tail -45 ;;
   numerics)
     timeout 400 python3 experiments/numerics.py --mode=loopback,multi_gpu \
       --what=baseline,sweep --time_budget_s=300 --out="$out/numerics.json" 2>&1 \
