@@ -8,6 +8,7 @@
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh probe    # communication paths side by side
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh numerics # error-ratio distributions, baseline
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh model    # TP block end to end; backward AG gate
+#   OUT=/tmp/mg bash experiments/run_multi_gpu.sh roofline # NVLink push/pull/local TMA vs CUDA figures
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_ALLOCATOR=default
 out=${OUT:-/tmp/mg}; mkdir -p "$out"
@@ -53,5 +54,10 @@ llama70b_o_proj_m512,llama70b_o_proj_m32768,mixtral8x22b_w2_m2048,llama70b_down_
     timeout 150 python3 experiments/autotune.py --mode=multi_gpu --op=ag_matmul --tags=seed \
       --max_configs=2 --iterations=20 --table="$out/tuning_table.json" \
       --out="$out/autotune_ag.json" 2>&1 | quiet | tail -20 ;;
-  *) echo "usage: $0 check|sweep|proxy8|ablate|probe|numerics|model" >&2; exit 2 ;;
+  roofline)
+    # NVLink primitives as Mosaic GPU kernels at D = 2 (push, pull, local TMA, head-of-line
+    # probe) against the CUDA microbenchmark figures in the script; table last.
+    timeout 500 python3 experiments/nvlink_roofline.py --out="$out/nvlink_roofline.json" \
+      2>&1 | quiet | tail -45 ;;
+  *) echo "usage: $0 check|sweep|proxy8|ablate|probe|numerics|model|roofline" >&2; exit 2 ;;
 esac

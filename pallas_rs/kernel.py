@@ -86,7 +86,8 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
   in_transforms = _swizzled(tile_k, dtype)
   epi_transforms = _swizzled(epi_n, out_dtype)
   part_transforms = _swizzled(epi_n, part_dtype)
-  sems = transport.semaphores(tiles, d - 1 if num_comm else 0) if d > 1 else None
+  where = schedule.SemLayout(d, tiles, num_comm)
+  sems = transport.semaphores(where.shape) if d > 1 else None
   first_eager = schedule.first_eager_step(d, config.eager_signal_steps)
   ring = config.owner_sum == "bf16_ring" and d > 1
   slot_order = schedule.ring_slots(d) if ring else tuple(range(d - 1))
@@ -149,13 +150,13 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
         """Tells whoever moves the remote tile (step, tile) next that its stores have landed:
         the owner (direct push) or this rank's comm CTAs (staging)."""
         if num_comm:
-          transport.signal_staged(sems, rank, step, tile, wg_idx)
+          transport.signal_local(sems, rank, where.staged(step, tile, wg_idx))
           return
         offset = schedule.dst_offset(step, d)
         for o in range(1, d):  # Static peers: see transport.py.
           @pl.when(offset == o)
           def _():
-            transport.signal(sems, rank, o, tile, wg_idx)
+            transport.signal(sems, rank, o, where.arrived(tile, wg_idx))
 
       def store_tile(subs, smem, dst_ref):
         """Epilogue sub-tiles `subs` (in epi_tiles order) -> dst_ref [tile_m, tile_n] through
@@ -172,7 +173,12 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
         "fp32": acc (f32) + the received partials in slot order, rounded once;
         "bf16_ring": the unfused path's arithmetic, schedule.ring_slots."""
         if "comm" not in skip:
-          transport.wait(sems, rank, tile, wg_idx, d - 1)
+          if num_comm:  # Each slot's tiles arrive in the order its comm CTA moves them.
+            c, need = tile % num_comm, tile // num_comm + 1
+            for slot in range(d - 1):
+              transport.wait(sems, rank, where.delivered(slot, c, wg_idx), need)
+          else:
+            transport.wait(sems, rank, where.arrived(tile, wg_idx), d - 1)
         loads = [(mi, ni, j) for mi, ni in epi_tiles for j in slot_order]
         if "reduce" in skip:
           loads = []
@@ -306,7 +312,7 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
     sets = config.comm_buffer_sets
     rows = config.comm_rows
     blocks = tile_m // rows
-    lag = schedule.COMM_SIGNAL_LAG
+    lag, batch = schedule.COMM_SIGNAL_LAG, schedule.COMM_SIGNAL_BATCH
     comm_scoped = dict(buf=plgpu.SMEM((_NUM_COMPUTE_WGS, sets, rows, tile_n), part_dtype))
 
     @functools.partial(pl.run_scoped, collective_axes="wg", **comm_scoped)
@@ -332,31 +338,34 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
 
             @pl.when(lax.rem(j, blocks) == 0)
             def _():
-              transport.wait_staged(sems, rank, step, tile_of(q), wg_idx)
+              transport.wait(sems, rank, where.staged(step, tile_of(q), wg_idx), 1, local=True)
             part = src.at[block(j)][...]
             b = lax.rem(j, sets)
             # Buffer b last held block j - sets: its store must have read it.
-            plgpu.wait_smem_to_gmem(sets - 1, wait_read_only=True)
+            plgpu.wait_smem_to_gmem(schedule.comm_reuse_wait(sets), wait_read_only=True)
             buf[wg_idx, b] = part
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(buf.at[wg_idx, b], dst.at[block(j)])
 
-            @pl.when((lax.rem(j, blocks) == blocks - 1) & (q >= lag))
+            landed = q - lag + 1  # tiles that have landed once tile q's stores are issued
+
+            @pl.when((lax.rem(j, blocks) == blocks - 1) & (landed > 0)
+                     & (lax.rem(landed, batch) == 0))
             def _():
-              # Tile q - lag has landed once at most `lag` later tiles' stores are pending;
-              # the lag keeps that many tiles in flight on NVLink.
+              # At most `lag` later tiles' stores are pending, so tiles up to q - lag have
+              # landed: announce the last `batch` of them with one signal (its system-scope
+              # fence costs microseconds: once per batch, not per tile).
               plgpu.wait_smem_to_gmem(lag * blocks, wait_read_only=False)
-              transport.signal(sems, rank, o, tile_of(q - lag), wg_idx)
+              transport.signal(sems, rank, o, where.delivered(step, comm_index, wg_idx), batch)
             return carry
 
           lax.fori_loop(0, num_tiles * blocks, push, None)
           plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-
-          def drain(q, carry, o=o):
-            transport.signal(sems, rank, o, tile_of(q), wg_idx)
-            return carry
-
-          lax.fori_loop(jnp.maximum(num_tiles - lag, 0), num_tiles, drain, None)
+          rest = num_tiles - jnp.maximum(num_tiles - lag, 0) // batch * batch
+          for r in range(1, lag + batch):  # A signal's increment must be static.
+            @pl.when(rest == r)
+            def _(o=o, step=step, r=r):
+              transport.signal(sems, rank, o, where.delivered(step, comm_index, wg_idx), r)
 
   if num_comm and "comm" not in skip:
     @pl.when(cta < num_comm)

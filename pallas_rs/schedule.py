@@ -32,6 +32,38 @@ from typing import Any
 NUM_COMPUTE_WGS = 2
 # Tiles a comm warpgroup keeps in flight before it waits for the oldest to land and signals it.
 COMM_SIGNAL_LAG = 4
+# Landed tiles a comm warpgroup announces with one signal (a system-scope fence each).
+COMM_SIGNAL_BATCH = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class SemLayout:
+  """Where each semaphore lives in a rank's `[rows, cols, wg]` array (transport.py).
+
+  Direct push (no comm CTAs): `arrived(tile)` = (0, tile), D - 1 signals per tile, one per
+  peer. With comm CTAs: `delivered(slot, c)` = (slot, c) counts the tiles of receive slot
+  `slot` that the source's comm CTA c has landed here, in its order c, c + n, ... (announced in
+  batches), so tile t has arrived once entry (slot, t % n) reaches t // n + 1; `staged(step,
+  tile)` = (D - 1 + step, tile) is the rank's own flag of a staged remote tile.
+  """
+  num_devices: int
+  tiles: int
+  comm_ctas: int
+
+  @property
+  def shape(self) -> tuple[int, int]:
+    if not self.comm_ctas:
+      return 1, self.tiles
+    return 2 * (self.num_devices - 1), max(self.tiles, self.comm_ctas)
+
+  def arrived(self, tile, wg):
+    return 0, tile, wg
+
+  def delivered(self, slot: int, comm_cta, wg):
+    return slot, comm_cta, wg
+
+  def staged(self, step: int, tile, wg):
+    return self.num_devices - 1 + step, tile, wg
 
 
 def step_and_tile(lin_idx: Any, tiles_per_chunk: int) -> tuple[Any, Any]:
@@ -123,7 +155,10 @@ def cta_program(rank: int, cta: int, *, num_ctas: int, num_devices: int,
     if deferred(prev):
       events.append(announce(prev))
     if step == own_step(d):
-      if d > 1:
+      if staged:  # One wait per slot: tile // n + 1 tiles delivered by comm CTA tile % n.
+        events += [Event("wait_delivered", rank, cta, step, tile, rank, slot,
+                         target=tile // comm_ctas + 1) for slot in range(d - 1)]
+      elif d > 1:
         events.append(Event("wait", rank, cta, step, tile, rank, target=d - 1))
       events.append(Event("reduce", rank, cta, step, tile, rank))
       prev = Event("store", rank, cta, step, tile, rank)
@@ -142,33 +177,36 @@ def cta_program(rank: int, cta: int, *, num_ctas: int, num_devices: int,
 
 def _comm_program(rank: int, cta: int, *, comm_ctas: int, num_devices: int,
                   tiles_per_chunk: int) -> list[Event]:
+  """Comm CTA `cta`: per remote step, its tiles in order, each staged-wait then store; tiles
+  that have landed (COMM_SIGNAL_LAG behind) announced COMM_SIGNAL_BATCH at a time ("deliver",
+  `target` = the increment), the rest after the step's last store."""
   d = num_devices
   events = []
   for step in range(own_step(d)):
     dst = (rank + dst_offset(step, d)) % d
     slot = recv_slot(step)
     mine = list(range(cta, tiles_per_chunk, comm_ctas))
-    for j, tile in enumerate(mine):
+    announced = 0
+    for q, tile in enumerate(mine):
       events.append(Event("wait_staged", rank, cta, step, tile, rank, slot, target=1))
       events.append(Event("store", rank, cta, step, tile, dst, slot))
-      if j >= COMM_SIGNAL_LAG:
-        events.append(Event("signal", rank, cta, step, mine[j - COMM_SIGNAL_LAG], dst, slot))
-    for tile in mine[max(0, len(mine) - COMM_SIGNAL_LAG):]:
-      events.append(Event("signal", rank, cta, step, tile, dst, slot))
+      landed = q - COMM_SIGNAL_LAG + 1
+      if landed > 0 and landed % COMM_SIGNAL_BATCH == 0:
+        events.append(Event("deliver", rank, cta, step, cta, dst, slot, target=COMM_SIGNAL_BATCH))
+        announced += COMM_SIGNAL_BATCH
+    if len(mine) > announced:
+      events.append(Event("deliver", rank, cta, step, cta, dst, slot,
+                          target=len(mine) - announced))
   return events
 
 
-def comm_prefetch(sets: int) -> tuple[int, int]:
-  """(prefetch, reuse_wait) of a comm warpgroup with `sets` SMEM buffers (kernel.py).
-
-  Tile j's local load goes into buffer j % sets, `prefetch` tiles ahead of its store; before
-  it, the warpgroup waits until at most `reuse_wait` of its TMA stores may still read SMEM, so
-  that the store of the buffer's previous tile (j - sets) has read it (test_schedule checks
-  this against a model of the store queue)."""
+def comm_reuse_wait(sets: int) -> int:
+  """TMA stores a comm warpgroup may leave unread before it refills a buffer (kernel.py): block
+  j goes into buffer j % sets, so the store of block j - sets, the oldest of the last `sets`,
+  must have read it (tests/test_schedule.py checks this against a model of the store queue)."""
   if sets < 1:
     raise ValueError(f"{sets=} must be >= 1")
-  prefetch = max(1, sets - 1)
-  return prefetch, sets - prefetch
+  return sets - 1
 
 
 def rank_programs(rank: int, *, num_ctas: int, num_devices: int, tiles_per_chunk: int,
@@ -211,6 +249,10 @@ def simulate(*, num_ctas: int, num_devices: int, tiles_per_chunk: int,
         if ev.kind == "wait":
           if any(sems.get((ev.rank, ev.tile, wg), 0) < ev.target for wg in wgs):
             break
+        elif ev.kind == "wait_delivered":
+          c = ev.tile % comm_ctas
+          if any(sems.get(("delivered", ev.rank, ev.slot, c, wg), 0) < ev.target for wg in wgs):
+            break
         elif ev.kind == "wait_staged":
           if any(sems.get(("staged", ev.rank, ev.slot, ev.tile, wg), 0) < ev.target
                  for wg in wgs):
@@ -233,6 +275,15 @@ def simulate(*, num_ctas: int, num_devices: int, tiles_per_chunk: int,
             raise RuntimeError(f"rank {ev.rank} signals tile {ev.tile} before it landed")
           for wg in wgs:
             sems[(ev.dst, ev.tile, wg)] = sems.get((ev.dst, ev.tile, wg), 0) + 1
+        elif ev.kind == "deliver":
+          for wg in wgs:
+            k = ("delivered", ev.dst, ev.slot, ev.cta, wg)
+            first = sems.get(k, 0)
+            for q in range(first, first + ev.target):
+              if (ev.dst, ev.slot, ev.cta + q * comm_ctas) not in landed:
+                raise RuntimeError(f"rank {ev.rank} delivers tile {ev.cta + q * comm_ctas} "
+                                   "before it landed")
+            sems[k] = first + ev.target
         elif ev.kind == "signal_staged":
           for wg in wgs:
             k = ("staged", ev.rank, ev.slot, ev.tile, wg)

@@ -5,10 +5,10 @@ named by a *static* offset `o` (destination `(rank + o) % D`), because a TMA sto
 builds its descriptor on the host, which can only recompute the peer id from arithmetic on
 `lax.axis_index`.
 
-Semaphores: one array per rank, zeroed by XLA on every call. Row 0 holds the owner's
-"partial arrived" counters `(tile, wg)` (signalled by peers, D - 1 per tile); with comm CTAs,
-row 1 + s holds the local "staged" flags of remote step s `(tile, wg)` (signalled once by the
-compute warpgroup that staged the tile, waited on by the comm CTA that pushes it).
+Semaphores: one array per rank `[rows, cols, wg]`, zeroed by XLA on every call; the kernel
+owns the layout (kernel.py `_SemLayout`) and names an entry by `(row, col, wg)`. Signals to a
+peer use system scope (they order NVLink writes); a rank's own staging flags use GPU scope,
+which costs less and is all that a store and a load on one GPU need.
 """
 from __future__ import annotations
 
@@ -49,23 +49,23 @@ class NVLinkTransport:
   def peer_recv(self, recv, rank, offset: int):
     return plgpu.remote_ref(recv, self._peer(rank, offset))
 
-  def semaphores(self, tiles: int, staged_steps: int):
-    return pl.get_global(plgpu.SemaphoreType.REGULAR((1 + staged_steps, tiles, NUM_COMPUTE_WGS)))
+  def semaphores(self, shape: tuple[int, int]):
+    return pl.get_global(plgpu.SemaphoreType.REGULAR((*shape, NUM_COMPUTE_WGS)))
 
-  def signal(self, sems, rank, offset: int, tile, wg):
-    pl.semaphore_signal(sems.at[0, tile, wg], 1, device_id=self._peer(rank, offset))
+  def signal(self, sems, rank, offset: int, idx, inc=1):
+    """Adds `inc` to entry `idx` of the peer at `offset` (after this warpgroup's writes)."""
+    pl.semaphore_signal(sems.at[idx], inc, device_id=self._peer(rank, offset))
 
-  def wait(self, sems, rank, tile, wg, value: int):
+  def signal_local(self, sems, rank, idx):
     del rank
-    pl.semaphore_wait(sems.at[0, tile, wg], value, decrement=False)
+    plgpu.semaphore_signal(sems.at[idx], 1, memory_scope="gpu")
 
-  def signal_staged(self, sems, rank, step, tile, wg):
+  def wait(self, sems, rank, idx, value, *, local: bool = False):
+    """Waits until this rank's entry `idx` reaches `value` (monotone targets);
+    local=True: only this GPU's CTAs signal it."""
     del rank
-    pl.semaphore_signal(sems.at[1 + step, tile, wg], 1)
-
-  def wait_staged(self, sems, rank, step, tile, wg):
-    del rank
-    pl.semaphore_wait(sems.at[1 + step, tile, wg], 1, decrement=False)
+    plgpu.semaphore_wait(sems.at[idx], value, decrement=False,
+                         memory_scope="gpu" if local else "sys")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,18 +92,16 @@ class LoopbackTransport:
   def peer_recv(self, recv, rank, offset: int):
     return recv.at[lax.rem(rank + offset, self.num_devices)]
 
-  def semaphores(self, tiles: int, staged_steps: int):
+  def semaphores(self, shape: tuple[int, int]):
     return pl.get_global(plgpu.SemaphoreType.REGULAR(
-        (self.num_devices, 1 + staged_steps, tiles, NUM_COMPUTE_WGS)))
+        (self.num_devices, *shape, NUM_COMPUTE_WGS)))
 
-  def signal(self, sems, rank, offset: int, tile, wg):
-    pl.semaphore_signal(sems.at[lax.rem(rank + offset, self.num_devices), 0, tile, wg], 1)
+  def signal(self, sems, rank, offset: int, idx, inc=1):
+    pl.semaphore_signal(sems.at[(lax.rem(rank + offset, self.num_devices), *idx)], inc)
 
-  def wait(self, sems, rank, tile, wg, value: int):
-    pl.semaphore_wait(sems.at[rank, 0, tile, wg], value, decrement=False)
+  def signal_local(self, sems, rank, idx):
+    plgpu.semaphore_signal(sems.at[(rank, *idx)], 1, memory_scope="gpu")
 
-  def signal_staged(self, sems, rank, step, tile, wg):
-    pl.semaphore_signal(sems.at[rank, 1 + step, tile, wg], 1)
-
-  def wait_staged(self, sems, rank, step, tile, wg):
-    pl.semaphore_wait(sems.at[rank, 1 + step, tile, wg], 1, decrement=False)
+  def wait(self, sems, rank, idx, value, *, local: bool = False):
+    plgpu.semaphore_wait(sems.at[(rank, *idx)], value, decrement=False,
+                         memory_scope="gpu" if local else "sys")

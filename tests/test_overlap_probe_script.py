@@ -39,7 +39,7 @@ def test_overlap_probe_plumbing(tmp_path):
   out = tmp_path / "probe.json"
   proc = helpers.run_script_with_stand_ins(
       "overlap_probe.py", ["--names=mixtral8x22b_o_proj_m512", "--proxy=",
-                           "--variants=v1,c2_bf16", "--iterations=2", "--scale=4", f"--out={out}"],
+                           "--variants=v1_bf16,c2_bf16", "--iterations=2", "--scale=4", f"--out={out}"],
       stand_ins=STAND_INS, after_load="mod.require_gpu = lambda jax: None", timeout=900)
   assert proc.returncode == 0, proc.stderr[-3000:]
   result = json.loads(out.read_text())
@@ -51,7 +51,7 @@ def test_overlap_probe_plumbing(tmp_path):
   assert all(c["bits_equal_v1"] for c in checks if c["variant"] == "c2_bf16")
   (row,) = result["rows"]
   assert row["d"] == 8
-  assert set(row["times_us"]) == {"xla_gemm", "xla_comm", "xla_seq", "v1", "v1_nocomm",
+  assert set(row["times_us"]) == {"xla_gemm", "xla_comm", "xla_seq", "v1_bf16", "v1_bf16_nocomm",
                                   "c2_bf16", "c2_bf16_nocomm", "c2_bf16_nogemm"}
   assert row["configs"]["c2_bf16"]["comm_ctas"] == 2
   rate = row["comm_gbps"]["c2_bf16"]  # From the stand-in's times: plumbing only.

@@ -43,12 +43,27 @@ def _check(d, tiles, num_ctas, comm_ctas=0, eager=0):
   else:
     assert not staged
   # Each wait's target equals the signals that reach its semaphore: no more, no fewer.
-  waits = {(e.rank, e.tile): e.target for e in trace if e.kind == "wait"}
-  owner = {k: v for k, v in result["semaphores"].items() if k[0] != "staged"}
-  for (rank, tile, wg), value in owner.items():
-    assert value == waits[(rank, tile)] == d - 1, (rank, tile, wg)
-  assert len(owner) == d * tiles * schedule.NUM_COMPUTE_WGS
-  for key, value in result["semaphores"].items():
+  sems = result["semaphores"]
+  if comm_ctas and d > 1:
+    # Comm CTA c of each source delivers its tiles c, c + n, ... of every slot, all counted.
+    delivered = {k[1:]: v for k, v in sems.items() if k[0] == "delivered"}
+    expect = {(r, s, c, wg): len(range(c, tiles, comm_ctas)) for r in range(d)
+              for s in range(d - 1) for c in range(min(comm_ctas, tiles))
+              for wg in range(schedule.NUM_COMPUTE_WGS)}
+    assert delivered == expect
+    top = collections.defaultdict(int)  # The owner's largest target per counter.
+    for e in trace:
+      if e.kind == "wait_delivered":
+        key = (e.rank, e.slot, e.tile % comm_ctas)
+        top[key] = max(top[key], e.target)
+    assert top == {k[:3]: v for k, v in expect.items()}
+  else:
+    waits = {(e.rank, e.tile): e.target for e in trace if e.kind == "wait"}
+    owner = {k: v for k, v in sems.items() if k[0] != "staged"}
+    for (rank, tile, wg), value in owner.items():
+      assert value == waits[(rank, tile)] == d - 1, (rank, tile, wg)
+    assert len(owner) == d * tiles * schedule.NUM_COMPUTE_WGS
+  for key, value in sems.items():
     if key[0] == "staged":
       assert value == 1, key  # One staging signal per tile and warpgroup, one wait for it.
 
@@ -147,35 +162,35 @@ def test_push_before_staging_is_caught(monkeypatch):
 
 @pytest.mark.parametrize("sets", [1, 2, 3, 4])
 @pytest.mark.parametrize("count", [1, 2, 5, 17])
-def test_comm_buffer_reuse(sets, count):
-  """A model of one comm warpgroup's loop (kernel.comm_program): loads run `prefetch` tiles
-  ahead into buffer j % sets; a load waits until at most `reuse_wait` stores are unread. Worst
-  case, a store is read only when a wait forces it. No load may overwrite a buffer whose
-  store is still unread, and every tile is loaded before its store."""
-  prefetch, reuse_wait = schedule.comm_prefetch(sets)
-  assert 1 <= prefetch and 0 <= reuse_wait < sets
-  unread = []  # tiles whose TMA store may still read their buffer, oldest first
-  loaded = {}
-
-  def load(j):
+def test_comm_buffer_reuse(sets, count, reuse_wait=None):
+  """A model of one comm warpgroup's loop (kernel.comm_program): block j is written into
+  buffer j % sets after waiting until at most `reuse_wait` TMA stores may still read SMEM;
+  worst case, a store reads its buffer only when a wait forces it. No block may overwrite a
+  buffer whose store is still unread."""
+  reuse_wait = schedule.comm_reuse_wait(sets) if reuse_wait is None else reuse_wait
+  unread = []  # blocks whose TMA store may still read their buffer, oldest first
+  for j in range(count):
     while len(unread) > reuse_wait:
       unread.pop(0)
-    buf = j % sets
-    assert all(t % sets != buf for t in unread), (j, unread)
-    loaded[j] = buf
-
-  for j in range(min(prefetch, count)):  # The prologue: no store issued yet.
-    load(j)
-  for j in range(count):
-    assert j in loaded
-    unread.append(j)  # the store of tile j
-    if j + prefetch < count:
-      load(j + prefetch)
-  assert sorted(loaded) == list(range(count))
+    assert all(t % sets != j % sets for t in unread), (j, unread)
+    unread.append(j)  # the store of block j
 
 
-def test_comm_buffer_reuse_model_catches_a_short_wait(monkeypatch):
-  real = schedule.comm_prefetch
-  monkeypatch.setattr(schedule, "comm_prefetch", lambda sets: (real(sets)[0], sets))
+def test_comm_buffer_reuse_model_catches_a_short_wait():
   with pytest.raises(AssertionError):
-    test_comm_buffer_reuse(3, 5)
+    test_comm_buffer_reuse(3, 5, reuse_wait=3)
+
+
+def test_delivery_before_landing_is_caught(monkeypatch):
+  """A comm CTA that announces a batch before its stores land is caught by the simulator."""
+  real = schedule._comm_program  # pylint: disable=protected-access
+
+  def early(*args, **kwargs):
+    events = real(*args, **kwargs)
+    delivers = [e for e in events if e.kind == "deliver"]
+    rest = [e for e in events if e.kind != "deliver"]
+    return delivers + rest
+
+  monkeypatch.setattr(schedule, "_comm_program", early)
+  with pytest.raises(RuntimeError, match="before it landed"):
+    schedule.simulate(num_ctas=8, num_devices=2, tiles_per_chunk=32, comm_ctas=2)
