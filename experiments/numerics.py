@@ -1,33 +1,55 @@
-"""Numerics of the fused reduce vs the unfused path (issue 12): the rule's ratio as a distribution.
+"""Numerics of the fused reduce vs the unfused path (issues 12, 18): the rule's ratio as a
+distribution, per numerics mode.
 
 The seed's rule: max_rel_error(fused) <= 1.1 * max_rel_error(unfused) against an fp32 reference
 (pallas_rs/numerics.py explains both paths' arithmetic). This script measures the distribution of
-the ratio over many inputs per case (mode, D, input family, partial_dtype):
+the ratio over many inputs per case (run mode, D, input family, numerics mode), and the share of
+output elements bit-identical to the unfused path's:
 
+  --modes           the numerics modes (config.NUMERICS_MODES, built with config.with_numerics):
+                    fp32_partials, bf16_partials, unfused_order (default: all three).
   --mode=emulate    CPU only: the numpy bit-exact emulations of both reduces (pallas_rs.numerics)
-                    from fp32 partials computed with numpy; reference = float64 sum of the partials.
+                    from fp32 partials computed with numpy; reference = float64 sum of the partials;
+                    unfused = the emulation in NCCL's ring order (identity ring), with the source
+                    order as a second baseline ("vs_source_order").
   --mode=loopback   one GPU: pallas_rs.fused.loopback_matmul_reduce_scatter (D virtual ranks) vs
                     pallas_rs.reference.loopback_matmul_reduce_scatter (the bf16-faithful XLA
-                    emulation of the unfused path, source order; rows also give the ratio
-                    against the same emulation in NCCL's ring order), fp32 HIGHEST reference.
-  --mode=multi_gpu  D = visible GPUs (largest power of two <= 8), under jax.shard_map: fused
-                    vs the real unfused path (jnp.dot then a bf16 lax.psum_scatter over NCCL).
+                    emulation of the unfused path) in NCCL's ring order (the source order as a
+                    second baseline, "vs_source_order"); fp32 HIGHEST reference.
+  --mode=multi_gpu  under jax.shard_map on D = each power of two up to the visible GPUs (2; 2 and 4
+                    on four GPUs; --multi_gpu_devices): fused over NVLink vs the real unfused path
+                    (jnp.dot then a bf16 lax.psum_scatter over NCCL).
   --what=baseline   (GPU modes) what the unfused path computes: bit-compares XLA's real
-                    psum_scatter output (and the loopback XLA emulation) with the numpy
-                    emulation under each add order and accumulation, checks that the fused
-                    kernel's output matches the emulation of its partial_dtype, and saves the
-                    optimized HLO of the unfused program next to --out.
+                    psum_scatter output (every multi_gpu D: at D = 4 this checks NCCL's real add
+                    order against the emulation's ring order) and the loopback XLA emulation with
+                    the numpy emulation under each add order and accumulation, checks that the
+                    fused kernel's output matches the emulation of its numerics mode, and saves
+                    the optimized HLO of the unfused program next to --out.
 
 Inputs are generated on device from jax.random (input i of a case: numerics.family_inputs(
-jax.random.fold_in(jax.random.key(--seed), i), family, m=m, k=k_shard*D, n=n)); the inputs of a
-case are one lax.map inside one jit (compiled once per D, all partial dtypes in the same loop on
-the same inputs), and only per-input error numbers come back.
+jax.random.fold_in(jax.random.key(--seed), i), family, m=m, k=k_shard*D, n=n)). On device the
+inputs of a case are one lax.map inside one jit, compiled once per (run mode, D) with every
+numerics mode's kernel in it (once per mode if that fails), the family a traced index; errors
+and bit-identity counts are computed on device and only scalars come back: per input and
+output max|out - ref| and max|ref| (reference.max_rel_error_on_device's numerator and
+denominator, float32), divided on the host in float64 - so that identical outputs get
+identical errors however XLA arranges the division in each program - and the count of
+elements bit-identical to the unfused output.
 
-GPU (one command, all parts, the baseline first; expected 1-3 min on 2 x H200, --num_inputs
-shrinks it; --time_budget_s skips, and records as skipped, sweep cases started after that time):
-  NCCL_NVLS_ENABLE=0 PYTHONPATH=. python experiments/numerics.py \
-      --mode=loopback,multi_gpu --what=baseline,sweep --time_budget_s=200 \
-      --out=experiments/results/$(date +%F)_h200x2_numerics.json
+The JSON (its file name must contain "numerics") records per case: ratio max / p99 / median /
+count over 1.1, the worst input's seed, the share of output elements bit-identical to the
+unfused output; and under "rule", per run mode, D and numerics mode, whether the max ratio over
+>= numerics.MIN_RULE_INPUTS inputs of each of the four families keeps the rule
+(numerics.rule_verdict: true / false / null = not established), with "by_d" combining the GPU
+run modes: the input of the tuner and the gate (a measured mode is allowed at D only where it
+holds; fp32_partials is guaranteed).
+
+GPU (one command, all parts; ~3-5 min on 2 x H200 (estimate, compiles dominate);
+--time_budget_s skips, and records as skipped, cases started after that time; the printed
+table comes last):
+  NCCL_NVLS_ENABLE=0 PYTHONPATH=. timeout 470 python experiments/numerics.py \
+      --mode=multi_gpu,loopback --what=baseline,sweep --time_budget_s=380 \
+      --out=experiments/results/$(date +%F)_h200x2_numerics_modes.json
 The exit code is 1 if any case failed to run (not if a ratio exceeds 1.1: that is the finding).
 CPU:
   PYTHONPATH=. python experiments/numerics.py --mode=emulate --num_inputs=200 --shape=128,256,256
@@ -52,30 +74,46 @@ import bench_env  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from pallas_rs import numerics  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-MODES = ("emulate", "loopback", "multi_gpu")
+RUN_MODES = ("emulate", "loopback", "multi_gpu")
+DEVICE_RUN_MODES = ("multi_gpu", "loopback")  # The order the sweep runs them in.
 WHATS = ("sweep", "baseline")
 AXIS = "tp"
+SUMMARY_KEYS = ("max", "p99", "median", "num_over_bound", "worst_seed")
+# What each run mode's rows compare with: (primary unfused output, second one or None).
+UNFUSED_BASELINES = {
+    "emulate": ("numerics.unfused_reduce_scatter(order='ring') (NCCL's ring order, identity "
+                "ring), from the same fp32 partials",
+                "numerics.unfused_reduce_scatter(order='source')"),
+    "loopback": ("reference.loopback_matmul_reduce_scatter(order='ring') (XLA, bf16 rounding "
+                 "after every add, NCCL's ring order on the identity ring)",
+                 "reference.loopback_matmul_reduce_scatter(order='source')"),
+    "multi_gpu": ("the real unfused path: jnp.dot(f32).astype(bf16) then lax.psum_scatter over "
+                  "NCCL", None),
+}
 
-_MODE = flags.DEFINE_list("mode", ["emulate"], f"Comma list of {MODES}.")
+_MODE = flags.DEFINE_list("mode", ["emulate"], f"Run modes: comma list of {RUN_MODES}.")
 _WHAT = flags.DEFINE_list("what", ["sweep"], f"Comma list of {WHATS} (baseline: GPU modes).")
+_NMODES = flags.DEFINE_list("modes", list(numerics.MODE_NAMES),
+                            f"Numerics modes of the fused path ({numerics.MODE_NAMES}).")
 _DS = flags.DEFINE_list("num_devices", ["2", "4", "8"],
-                        "D values for emulate and loopback (multi_gpu uses the visible GPUs).")
-_MULTI_D = flags.DEFINE_integer("multi_gpu_devices", 0,
-                                "D of multi_gpu mode; 0: largest power of two <= visible devices.")
+                        "D values for emulate and loopback (multi_gpu: --multi_gpu_devices).")
+_MULTI_D = flags.DEFINE_list("multi_gpu_devices", [],
+                             "D values of multi_gpu mode; empty: every power of two from 2 up to "
+                             "the visible devices.")
 _FAMILIES = flags.DEFINE_list("families", list(numerics.FAMILIES), "Input families.")
-_NUM = flags.DEFINE_integer("num_inputs", 1000, "Inputs per case.")
-_PDS = flags.DEFINE_list("partial_dtypes", list(numerics.PARTIAL_DTYPES),
-                         "Config.partial_dtype values of the fused path.")
+_NUM = flags.DEFINE_integer("num_inputs", numerics.MIN_RULE_INPUTS, "Inputs per case.")
 _SHAPE = flags.DEFINE_list("shape", ["256", "512", "512"],
                            "chunk_m,n,k_shard: each rank's output chunk is chunk_m x n (global "
                            "m = chunk_m * D), each rank's contraction slice k_shard.")
 _SEED = flags.DEFINE_integer("seed", 0, "Base seed: input i is fold_in(key(seed), i).")
-_BASELINE_INPUTS = flags.DEFINE_integer("baseline_inputs", 4, "Inputs per --what=baseline check.")
+_BASELINE_INPUTS = flags.DEFINE_integer("baseline_inputs", 2,
+                                        "Inputs per family per --what=baseline check.")
 _BUDGET = flags.DEFINE_float("time_budget_s", 0.0,
                              "Skip (and record as skipped) cases started after this many seconds; "
                              "0: no limit.")
-_OUT = flags.DEFINE_string("out", None, "JSON path (default experiments/results/"
-                           "<date>_numerics_<modes>.json); HLO dumps go next to it.")
+_OUT = flags.DEFINE_string("out", None, "JSON path, its name containing 'numerics' (default "
+                           "experiments/results/<date>_numerics_<run modes>.json); HLO dumps go "
+                           "next to it.")
 
 
 # ---------------------------------------------------------------------------
@@ -88,25 +126,29 @@ def problem(d: int) -> dict:
   return dict(m=chunk * d, n=n, k_shard=ks, k=ks * d, chunk=chunk)
 
 
-def make_config(d: int, pd: str):
-  """default_config for the loopback / multi_gpu problem, sending partial_dtype=pd
-  (`config.with_partial_dtype` narrows the epilogue and the pipeline to fit SMEM)."""
+def make_config(d: int, mode: str):
+  """default_config for the loopback / multi_gpu problem in numerics mode `mode`
+  (`config.with_numerics` sets partial_dtype and owner_sum, narrows the epilogue and shortens
+  the pipeline to fit SMEM)."""
   from pallas_rs import config as config_lib  # pylint: disable=g-import-not-at-top
   from pallas_rs import fused  # pylint: disable=g-import-not-at-top
   p = problem(d)
   sms = fused.gpu_num_sms() or config_lib.DEFAULT_NUM_SMS
   base = config_lib.default_config(m=p["m"], n=p["n"], k_shard=p["k_shard"], num_devices=d,
                                    num_sms=sms)
-  cfg = config_lib.with_partial_dtype(base, pd, d)
+  cfg = config_lib.with_numerics(base, mode, d)
   cfg.check_shape(m=p["m"], n=p["n"], k_shard=p["k_shard"], num_devices=d)
+  assert cfg.numerics == mode, (cfg, mode)
   return cfg
 
 
-def kernel_reads_partial_dtype() -> bool:
-  """Whether kernel.py / fused.py mention partial_dtype at all (False: the field is ignored)."""
+def kernel_reads_numerics() -> dict:
+  """Whether kernel.py / fused.py / transport.py mention each Config numerics field at all
+  (False: the field is ignored and that mode's rows measure another mode's arithmetic)."""
   from pallas_rs import fused  # pylint: disable=g-import-not-at-top
   from pallas_rs import kernel  # pylint: disable=g-import-not-at-top
-  return any("partial_dtype" in inspect.getsource(mod) for mod in (kernel, fused))
+  src = "".join(inspect.getsource(mod) for mod in (kernel, fused))
+  return {field: field in src for field in ("partial_dtype", "owner_sum")}
 
 
 class Budget:
@@ -117,26 +159,49 @@ class Budget:
     return self.seconds > 0 and time.time() - self.t0 > self.seconds
 
 
-def _case_rows(mode, d, family, pds, stats, seeds, *, seconds, extra=None):
-  """stats: dict with "err_unfused" [B] and "err_fused_<pd>" [B] (float64); one row per pd."""
+def _mode_fields(md: str) -> dict:
+  pd, owner_sum = numerics.NUMERICS_MODES[md]
+  return dict(numerics=md, partial_dtype=pd, owner_sum=owner_sum)
+
+
+def _case_rows(run_mode, d, family, modes, stats, seeds, *, seconds, extra=None):
+  """One row per numerics mode. stats (float64 / int arrays over the inputs):
+  "err_unfused" [B] (the primary unfused output's error), optionally "err_unfused_alt" [B] (the
+  second baseline's), "err_fused_<mode>" [B], "same_<mode>" [B] (elements bit-identical to the
+  primary unfused output), optionally "same_alt_<mode>" [B], and "elements" (per input)."""
   p = problem(d)
+  total = stats["elements"] * len(seeds)
   rows = []
-  for pd in pds:
-    row = dict(mode=mode, d=d, family=family, partial_dtype=pd, shape=p,
-               **numerics.ratio_summary(stats[f"err_fused_{pd}"], stats["err_unfused"], seeds),
-               seconds=seconds, **(extra or {}))
+  for md in modes:
+    row = dict(mode=run_mode, d=d, family=family, **_mode_fields(md), shape=p,
+               **numerics.ratio_summary(stats[f"err_fused_{md}"], stats["err_unfused"], seeds),
+               identical_share=float(np.sum(stats[f"same_{md}"], dtype=np.int64) / total),
+               identical_to=UNFUSED_BASELINES[run_mode][0], seconds=seconds, **(extra or {}))
+    if "err_unfused_alt" in stats:
+      s = numerics.ratio_summary(stats[f"err_fused_{md}"], stats["err_unfused_alt"], seeds)
+      row["vs_source_order"] = dict(
+          {k: s[k] for k in SUMMARY_KEYS},
+          identical_share=float(np.sum(stats[f"same_alt_{md}"], dtype=np.int64) / total))
     rows.append(row)
-  if len(pds) > 1:  # Same inputs for every partial dtype: did the knob change anything?
-    first = stats[f"err_fused_{pds[0]}"]
+  if len(modes) > 1:  # Same inputs for every mode: did the knob change anything?
+    first = stats[f"err_fused_{modes[0]}"]
     for row in rows:
-      row["frac_inputs_error_differs_from_" + pds[0]] = float(
-          np.mean(stats[f"err_fused_{row['partial_dtype']}"] != first))
+      row["frac_inputs_error_differs_from_" + modes[0]] = float(
+          np.mean(stats[f"err_fused_{row['numerics']}"] != first))
   return rows
 
 
-def _error_row(mode, d, family, pd, exc, seconds=None):
-  return dict(mode=mode, d=d, family=family, partial_dtype=pd, shape=problem(d),
-              error=f"{type(exc).__name__}: {exc}"[:1500], seconds=seconds)
+def _error_row(run_mode, d, family, md, exc, seconds=None, skipped=False):
+  row = dict(mode=run_mode, d=d, family=family, **_mode_fields(md), shape=problem(d),
+             error=f"{type(exc).__name__}: {exc}"[:1500], seconds=seconds)
+  if skipped:
+    row["skipped"] = True
+  return row
+
+
+def _skipped_rows(run_mode, d, families, modes):
+  return [_error_row(run_mode, d, fam, md, RuntimeError("skipped (time budget)"), skipped=True)
+          for fam in families for md in modes]
 
 
 # ---------------------------------------------------------------------------
@@ -155,12 +220,18 @@ def _generator(m, k, n, batch):
   return jax.jit(gen)
 
 
-def emulate_case(d, family, pds, num_inputs):
+def _same(a, b) -> int:
+  return int(np.sum(np.asarray(a).view(np.uint16) == np.asarray(b).view(np.uint16)))
+
+
+def emulate_case(d, family, modes, num_inputs):
   p = problem(d)
   batch = 8
   gen = _generator(p["m"], p["k"], p["n"], batch)
   fam = numerics.FAMILIES.index(family)
-  stats = {"err_unfused": [], "err_unfused_source": [], **{f"err_fused_{pd}": [] for pd in pds}}
+  stats = {"err_unfused": [], "err_unfused_alt": []}
+  for md in modes:
+    stats.update({f"err_fused_{md}": [], f"same_{md}": [], f"same_alt_{md}": []})
   for start in range(0, num_inputs, batch):
     seeds = np.arange(start, start + batch, dtype=np.int32)
     xb, wb = gen(_SEED.value, seeds, fam)
@@ -168,12 +239,18 @@ def emulate_case(d, family, pds, num_inputs):
     for i in range(min(batch, num_inputs - start)):
       xs, ws = numerics.split_inputs(xb[i], wb[i], d)
       partials, ref = numerics.partials_and_reference(xs, ws)
-      errs = numerics.case_errors(partials, ref, partial_dtypes=pds)
-      stats["err_unfused"].append(errs["unfused_ring"])
-      stats["err_unfused_source"].append(errs["unfused_source"])
-      for pd in pds:
-        stats[f"err_fused_{pd}"].append(errs[f"fused_{pd}"])
-  return {k: np.asarray(v, np.float64) for k, v in stats.items()}
+      ring = numerics.unfused_reduce_scatter(partials, order="ring")
+      src = numerics.unfused_reduce_scatter(partials, order="source")
+      stats["err_unfused"].append(numerics.max_rel_error(ring, ref))
+      stats["err_unfused_alt"].append(numerics.max_rel_error(src, ref))
+      for md in modes:
+        out = numerics.fused_owner_sum(partials, mode=md)
+        stats[f"err_fused_{md}"].append(numerics.max_rel_error(out, ref))
+        stats[f"same_{md}"].append(_same(out, ring))
+        stats[f"same_alt_{md}"].append(_same(out, src))
+  stats = {k: np.asarray(v) for k, v in stats.items()}
+  stats["elements"] = p["m"] * p["n"]
+  return stats
 
 
 # ---------------------------------------------------------------------------
@@ -181,27 +258,27 @@ def emulate_case(d, family, pds, num_inputs):
 # ---------------------------------------------------------------------------
 
 
-def _errors_from_numerators(out: np.ndarray, pds) -> dict:
-  """out [B, 2 + P (+ 1)]: max|unfused - ref|, max|ref|, max|fused_pd - ref| per pd, and in
-  loopback max|ring-order unfused - ref| (on device)."""
-  out = np.asarray(out, np.float64)
-  den = out[:, 1]
-  safe = np.where(den > 0, den, 1.0)
-  stats = {"err_unfused": out[:, 0] / safe}
-  for i, pd in enumerate(pds):
-    stats[f"err_fused_{pd}"] = out[:, 2 + i] / safe
-  if out.shape[1] > 2 + len(pds):
-    stats["err_unfused_ring"] = out[:, 2 + len(pds)] / safe
-  return stats
-
-
-def _device_stats(fused_outs, unfused, ref, more_unfused=()):
-  """[max|unfused - ref|, max|ref|, max|fused_i - ref| ..., max|more_unfused_j - ref| ...]."""
+def _bits_same(a, b):
+  """Number of bit-identical elements of two bf16 arrays (int32 scalar, on device)."""
+  from jax import lax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  f32 = jnp.float32
-  err = lambda o: jnp.max(jnp.abs(o.astype(f32) - ref))
-  return jnp.stack([err(unfused), jnp.max(jnp.abs(ref))] + [err(o) for o in fused_outs]
-                   + [err(o) for o in more_unfused])
+  u16 = lambda v: lax.bitcast_convert_type(v.astype(jnp.bfloat16), jnp.uint16)
+  return jnp.sum(u16(a) == u16(b), dtype=jnp.int32)
+
+
+def _abs_max(v):
+  """max|v| in float32 (0 for an empty array), on device: with v = out - ref, the numerator of
+  reference.max_rel_error_on_device; with v = ref, its denominator."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  return jnp.max(jnp.abs(v.astype(jnp.float32)), initial=0.0)
+
+
+def _rel_host(num, den) -> np.ndarray:
+  """max_rel_error from its maxima (arrays), in float64: num / den, 0 where both are 0, inf
+  where only den is (reference.max_rel_error's conventions)."""
+  num, den = np.asarray(num, np.float64), np.asarray(den, np.float64)
+  safe = np.where(den > 0, den, 1.0)
+  return np.where(den > 0, num / safe, np.where(num > 0, np.inf, 0.0))
 
 
 def _f32_ref(x, w):
@@ -215,9 +292,13 @@ def _f32_ref(x, w):
 
 
 def loopback_fn(d, cfgs):
-  """jit(seeds [B], family index, base seed) -> [B, 2 + len(cfgs)] error numerators."""
+  """jit(seeds [B], family index, base seed) -> (maxima [B, 3 + M] float32: max|out - ref| of
+  the ring-order unfused, the source-order unfused and each config's fused output, then
+  max|ref|; bit-identical counts [B, 2M] int32: each fused output vs the ring-order unfused,
+  then vs the source-order one)."""
   import jax  # pylint: disable=g-import-not-at-top
   from jax import lax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from pallas_rs import fused  # pylint: disable=g-import-not-at-top
   from pallas_rs import reference  # pylint: disable=g-import-not-at-top
   p = problem(d)
@@ -230,18 +311,23 @@ def loopback_fn(d, cfgs):
                                     n=p["n"])
       xs, ws = numerics.split_inputs(x, w, d)
       outs = [fused.loopback_matmul_reduce_scatter(xs, ws, config=c) for c in cfgs]
-      unfused = reference.loopback_matmul_reduce_scatter(xs, ws)
-      ref = _f32_ref(x, w).reshape(d, p["chunk"], p["n"])
       ring = reference.loopback_matmul_reduce_scatter(xs, ws, order="ring")
-      return _device_stats(outs, unfused, ref, [ring])
+      src = ring if d == 2 else reference.loopback_matmul_reduce_scatter(xs, ws, order="source")
+      ref = _f32_ref(x, w).reshape(d, p["chunk"], p["n"])
+      maxima = jnp.stack([_abs_max(o.astype(jnp.float32) - ref) for o in [ring, src] + outs]
+                         + [_abs_max(ref)])
+      same = jnp.stack([_bits_same(o, u) for u in (ring, src) for o in outs])
+      return maxima, same
     return lax.map(one, seeds)
   dev = jax.devices()[0]
   return jax.jit(run), lambda a: jax.device_put(a, dev)
 
 
 def multi_gpu_fn(d, cfgs):
-  """Same as loopback_fn on a 1-D mesh of d devices: the fused kernel over NVLink and the real
-  unfused path (jnp.dot + bf16 psum_scatter over NCCL); the per-input maxima are pmax-ed."""
+  """As loopback_fn on a 1-D mesh of d devices: the fused kernel over NVLink and the real
+  unfused path (jnp.dot + bf16 psum_scatter over NCCL). -> ((maxima [B, 2 + M], pmax-ed over
+  the devices: max|out - ref| of the unfused and each fused output, then max|ref|;
+  bit-identical counts [B, M] vs the unfused output, psum-ed), unfused outputs [B, m, n])."""
   import jax  # pylint: disable=g-import-not-at-top
   from jax import lax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
@@ -270,15 +356,18 @@ def multi_gpu_fn(d, cfgs):
       unfused = lax.optimization_barrier(
           lax.psum_scatter(part, AXIS, scatter_dimension=0, tiled=True))
       ref = lax.dynamic_slice_in_dim(_f32_ref(x, w), r * p["chunk"], p["chunk"], axis=0)
-      return lax.pmax(_device_stats(outs, unfused, ref), AXIS), unfused
+      maxima = lax.pmax(jnp.stack([_abs_max(o.astype(jnp.float32) - ref)
+                                   for o in [unfused] + outs] + [_abs_max(ref)]), AXIS)
+      same = lax.psum(jnp.stack([_bits_same(o, unfused) for o in outs]), AXIS)
+      return (maxima, same), unfused
     return lax.map(one, seeds)
 
-  # The unfused outputs also come back (materialised bf16, as a user's program gets them):
-  # unfused_errors_fn recomputes their error in a separate program, and the rows record on how
-  # many inputs the in-loop error differed (nonzero: XLA rewrote the unfused arithmetic inside
-  # the measuring loop; the separate program's figure is the one used).
+  # The unfused outputs also come back (materialised bf16, as a user's program gets them, kept
+  # on the devices): unfused_errors_fn recomputes their error in a separate program, and the rows
+  # record on how many inputs the in-loop error differed (nonzero: XLA rewrote the unfused
+  # arithmetic inside the measuring loop; the separate program's figure is the one used).
   f = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P()),
-                    out_specs=(P(), P(None, AXIS, None)), check_vma=False)
+                    out_specs=((P(), P()), P(None, AXIS, None)), check_vma=False)
 
   def run(seeds, fam, base):
     return f(seeds, jnp.reshape(fam, (1,)), jnp.reshape(base, (1,)))
@@ -295,7 +384,8 @@ def _mesh(d: int):
 
 @functools.lru_cache(maxsize=None)
 def unfused_errors_fn(d):
-  """jit(unfused [B, m, n] bf16, seeds, family, base) -> [B] max|unfused - ref| on one device."""
+  """jit(unfused [B, m, n] bf16, seeds, family, base) -> [B, 2]: max|unfused - ref|, max|ref|
+  on one device."""
   import jax  # pylint: disable=g-import-not-at-top
   from jax import lax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
@@ -308,81 +398,138 @@ def unfused_errors_fn(d):
       seed, u = args
       x, w = numerics.family_inputs(jax.random.fold_in(key, seed), fam, m=p["m"], k=p["k"],
                                     n=p["n"])
-      return jnp.max(jnp.abs(u.astype(jnp.float32) - _f32_ref(x, w)))
+      ref = _f32_ref(x, w)
+      return jnp.stack([_abs_max(u.astype(jnp.float32) - ref), _abs_max(ref)])
     return lax.map(one, (seeds, unfused))
   return jax.jit(run)
 
 
-def device_cases(mode, d, families, pds, num_inputs, budget):
-  """Rows of every (family, pd) at this D; one compile for all pds, or one per pd on failure.
+def _device_stats(run_mode, d, modes, maxima, same) -> dict:
+  maxima = np.asarray(maxima, np.float64)
+  errs = _rel_host(maxima[:, :-1], maxima[:, -1:])
+  same = np.asarray(same, np.int64)
+  nm_ = len(modes)
+  stats = {"err_unfused": errs[:, 0]}
+  off = 1
+  if run_mode == "loopback":
+    stats["err_unfused_alt"] = errs[:, 1]
+    off = 2
+  for i, md in enumerate(modes):
+    stats[f"err_fused_{md}"] = errs[:, off + i]
+    stats[f"same_{md}"] = same[:, i]
+    if run_mode == "loopback":
+      stats[f"same_alt_{md}"] = same[:, nm_ + i]
+  p = problem(d)
+  stats["elements"] = p["m"] * p["n"]
+  return stats
+
+
+def device_cases(run_mode, d, families, modes, num_inputs, budget):
+  """Rows of every (family, mode) at this D; one compile for all modes, or one per mode on
+  failure.
 
   The arguments are placed explicitly (one GPU, or replicated over the mesh) so that the
   ahead-of-time compiled executable is called with the shardings it was compiled for.
   """
   import jax  # pylint: disable=g-import-not-at-top
-  import numpy as onp  # pylint: disable=g-import-not-at-top,reimported
-  make = loopback_fn if mode == "loopback" else multi_gpu_fn
+  make = loopback_fn if run_mode == "loopback" else multi_gpu_fn
+  if budget.exceeded():
+    return _skipped_rows(run_mode, d, families, modes)
 
   def args(place, fam):
-    return (place(onp.arange(num_inputs, dtype=onp.int32)),
-            place(onp.int32(numerics.FAMILIES.index(fam))), place(onp.int32(_SEED.value)))
+    return (place(np.arange(num_inputs, dtype=np.int32)),
+            place(np.int32(numerics.FAMILIES.index(fam))), place(np.int32(_SEED.value)))
 
-  def build(group_pds):
-    fn, place = make(d, [make_config(d, pd) for pd in group_pds])
+  def build(group):
+    fn, place = make(d, [make_config(d, md) for md in group])
     return fn.lower(*args(place, families[0])).compile(), place
 
   groups, rows = [], []
   t = time.time()
   try:
-    groups.append((list(pds), *build(pds)))
+    groups.append((list(modes), *build(modes)))
   except Exception:  # pylint: disable=broad-except
-    print(f"[{mode} D={d}] joint compile failed, compiling per partial dtype:\n"
+    print(f"[{run_mode} D={d}] joint compile failed, compiling per numerics mode:\n"
           f"{traceback.format_exc()[-3000:]}", flush=True)
-    for pd in pds:
+    for md in modes:
       try:
-        groups.append(([pd], *build([pd])))
+        groups.append(([md], *build([md])))
       except Exception as e:  # pylint: disable=broad-except
-        rows += [_error_row(mode, d, fam, pd, e) for fam in families]
+        rows += [_error_row(run_mode, d, fam, md, e) for fam in families]
   compile_s = round(time.time() - t, 2)
   for fam in families:
-    for group_pds, compiled, place in groups:
+    for group, compiled, place in groups:
       if budget.exceeded():
-        rows += [dict(_error_row(mode, d, fam, pd, RuntimeError("skipped")), skipped=True)
-                 for pd in group_pds]
+        rows += _skipped_rows(run_mode, d, [fam], group)
         continue
       t = time.time()
       try:
         out = compiled(*args(place, fam))
         extra = dict(compile_seconds=compile_s)
-        if mode == "multi_gpu":
-          out, unfused = out
+        if run_mode == "multi_gpu":
+          (maxima, same), unfused = out
           dev0 = lambda a: jax.device_put(a, jax.devices()[0])
-          num = np.asarray(jax.device_get(unfused_errors_fn(d)(
-              dev0(unfused), *(dev0(a) for a in args(lambda a: a, fam)))), np.float64)
-          out = np.array(jax.device_get(out), np.float64)
+          sep = np.asarray(jax.device_get(unfused_errors_fn(d)(
+              dev0(unfused), *(dev0(a) for a in args(lambda a: a, fam)))), np.float32)
+          del unfused
+          maxima = np.array(jax.device_get(maxima), np.float32)
           # Inputs where the in-loop unfused error differs from the materialised output's:
           # nonzero means XLA rewrote the unfused arithmetic inside the measuring loop.
           extra["frac_inputs_unfused_error_rewritten_in_loop"] = float(
-              np.mean(num != out[:, 0].astype(np.float32)))
-          out[:, 0] = num
-        out = jax.device_get(out)
+              np.mean((sep[:, 0] != maxima[:, 0]) | (sep[:, 1] != maxima[:, -1])))
+          maxima[:, 0] = sep[:, 0]
+        else:
+          maxima, same = out
+        maxima, same = jax.device_get(maxima), jax.device_get(same)
         seconds = round(time.time() - t, 3)
-        stats = _errors_from_numerators(out, group_pds)
-        new_rows = _case_rows(mode, d, fam, group_pds, stats, np.arange(num_inputs),
-                              seconds=seconds, extra=extra)
-        if "err_unfused_ring" in stats:  # loopback: the unfused sum in NCCL's ring order too
-          for row in new_rows:
-            r = numerics.ratio_summary(stats[f"err_fused_{row['partial_dtype']}"],
-                                       stats["err_unfused_ring"])
-            row["vs_ring_order"] = {k: r[k] for k in ("max", "p99", "median", "num_over_bound",
-                                                      "worst_seed")}
-        rows += new_rows
+        stats = _device_stats(run_mode, d, group, maxima, same)
+        rows += _case_rows(run_mode, d, fam, group, stats, np.arange(num_inputs),
+                           seconds=seconds, extra=extra)
       except Exception as e:  # pylint: disable=broad-except
         print(traceback.format_exc()[-3000:], flush=True)
-        rows += [_error_row(mode, d, fam, pd, e, round(time.time() - t, 3)) for pd in group_pds]
-      print(f"[{mode} D={d} {fam}] {round(time.time() - t, 2)} s (compile {compile_s} s)",
+        rows += [_error_row(run_mode, d, fam, md, e, round(time.time() - t, 3)) for md in group]
+      print(f"[{run_mode} D={d} {fam}] {round(time.time() - t, 2)} s (compile {compile_s} s)",
             flush=True)
   return rows
+
+
+# ---------------------------------------------------------------------------
+# The rule per mode and D (the tuner's and the gate's input).
+# ---------------------------------------------------------------------------
+
+
+def rule_table(rows, modes) -> dict:
+  """{run_mode: {D: {mode: numerics.rule_verdict}}} and "by_d": {D: {mode: ...}} over the GPU run
+  modes (holds: false if any run mode fails, true if one holds and none fails, else null;
+  allowed: guaranteed or holds). Always judged on all of numerics.FAMILIES: a run over fewer
+  families cannot establish the rule."""
+  table = {}
+  for r in rows:
+    table.setdefault(r["mode"], {}).setdefault(str(r["d"]), {}).setdefault(
+        r["numerics"], []).append(r)
+  out = {run_mode: {d: {md: numerics.rule_verdict(v, families=numerics.FAMILIES)
+                        for md, v in by_mode.items()}
+                    for d, by_mode in by_d.items()}
+         for run_mode, by_d in table.items()}
+  by_d = {}
+  for run_mode in DEVICE_RUN_MODES:
+    for d, by_mode in out.get(run_mode, {}).items():
+      for md, v in by_mode.items():
+        by_d.setdefault(d, {}).setdefault(md, []).append((run_mode, v))
+  combined = {}
+  for d, by_mode in sorted(by_d.items(), key=lambda kv: int(kv[0])):
+    combined[d] = {}
+    for md in modes:
+      verdicts = by_mode.get(md, [])
+      holds = [v["holds"] for _, v in verdicts]
+      h = False if False in holds else (True if True in holds else None)
+      combined[d][md] = dict(
+          holds=h, guaranteed=md in numerics.GUARANTEED_MODES,
+          allowed=md in numerics.GUARANTEED_MODES or h is True,
+          max=max((v["max"] for _, v in verdicts if v["max"] is not None), default=None),
+          run_modes={rm: v["holds"] for rm, v in verdicts})
+  out["by_d"] = combined
+  return out
 
 
 # ---------------------------------------------------------------------------
@@ -407,23 +554,24 @@ def _emulation_matches(out, partials) -> dict:
 
 
 def _fused_rows(fused_fs, run, partials):
-  """Per partial dtype: how the kernel's output `run(f)` matches each fused emulation, or the
-  error that building (an Exception in fused_fs) or running it raised."""
+  """Per numerics mode: how the kernel's output `run(f)` matches each mode's fused emulation
+  (from the XLA partials), or the error that building (an Exception in fused_fs) or running it
+  raised."""
   rows = {}
-  for pd, f in fused_fs.items():
+  for md, f in fused_fs.items():
     if isinstance(f, Exception):
-      rows[pd] = f"{type(f).__name__}: {f}"[:500]
+      rows[md] = f"{type(f).__name__}: {f}"[:500]
       continue
     try:
-      rows[pd] = dict(vs_fused_emulation=_fused_matches(run(f), partials))
+      rows[md] = dict(vs_fused_emulation=_fused_matches(run(f), partials))
     except Exception as e:  # pylint: disable=broad-except
-      rows[pd] = f"{type(e).__name__}: {e}"[:500]
+      rows[md] = f"{type(e).__name__}: {e}"[:500]
   return rows
 
 
 def _fused_matches(out, partials) -> dict:
-  return {pd: _bits_equal_fraction(out, numerics.fused_owner_sum(partials, partial_dtype=pd))
-          for pd in numerics.PARTIAL_DTYPES}
+  return {md: _bits_equal_fraction(out, numerics.fused_owner_sum(partials, mode=md))
+          for md in numerics.MODE_NAMES}
 
 
 def _hlo_lines(text: str) -> list[str]:
@@ -440,7 +588,7 @@ def _save_hlo(out_dir: Path, stem: str, name: str, compiled) -> dict:
   return dict(hlo_file=str(path), collective_lines=_hlo_lines(text))
 
 
-def baseline_multi_gpu(d, families, pds, out_path: Path) -> dict:
+def baseline_multi_gpu(d, families, modes, out_path: Path) -> dict:
   import jax  # pylint: disable=g-import-not-at-top
   from jax import lax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
@@ -464,14 +612,14 @@ def baseline_multi_gpu(d, families, pds, out_path: Path) -> dict:
   parts_f = jax.jit(jax.shard_map(with_partials, out_specs=(P(AXIS, None, None), P(AXIS, None)),
                                   **specs))
   fused_fs = {}
-  for pd in pds:
+  for md in modes:
     try:
-      cfg = make_config(d, pd)
-      fused_fs[pd] = jax.jit(jax.shard_map(
+      cfg = make_config(d, md)
+      fused_fs[md] = jax.jit(jax.shard_map(
           functools.partial(fused.fused_matmul_reduce_scatter, axis_name=AXIS, num_devices=d,
                             config=cfg), out_specs=P(AXIS, None), **specs))
     except Exception as e:  # pylint: disable=broad-except
-      fused_fs[pd] = e
+      fused_fs[md] = e
   gen = jax.jit(lambda s, fam: numerics.family_inputs(
       jax.random.fold_in(jax.random.key(_SEED.value), s), fam, m=p["m"], k=p["k"], n=p["n"]),
                 static_argnums=1)
@@ -510,7 +658,7 @@ def _exact(summary: dict, part: str) -> list[str]:
   return sorted(k[len(prefix):] for k, v in summary.items() if k.startswith(prefix) and v == 1.0)
 
 
-def baseline_loopback(ds, families, pds, out_path: Path) -> list[dict]:
+def baseline_loopback(ds, families, modes, out_path: Path, budget) -> list[dict]:
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from pallas_rs import fused  # pylint: disable=g-import-not-at-top
@@ -519,18 +667,21 @@ def baseline_loopback(ds, families, pds, out_path: Path) -> list[dict]:
   for d in ds:
     p = problem(d)
     res = dict(d=d, shape=p, inputs=[])
+    if budget.exceeded():
+      results.append(dict(res, error="skipped (time budget)", skipped=True))
+      continue
     try:
       def parts_and_ref(xs, ws):
         part = jnp.einsum("dmk,dkn->dmn", xs, ws, preferred_element_type=jnp.float32)
         return part, reference.loopback_matmul_reduce_scatter(xs, ws)
       parts_f = jax.jit(parts_and_ref)
       fused_fs = {}
-      for pd in pds:
+      for md in modes:
         try:
-          fused_fs[pd] = jax.jit(functools.partial(fused.loopback_matmul_reduce_scatter,
-                                                   config=make_config(d, pd)))
+          fused_fs[md] = jax.jit(functools.partial(fused.loopback_matmul_reduce_scatter,
+                                                   config=make_config(d, md)))
         except Exception as e:  # pylint: disable=broad-except
-          fused_fs[pd] = e
+          fused_fs[md] = e
       gen = jax.jit(lambda s, fam: numerics.split_inputs(*numerics.family_inputs(
           jax.random.fold_in(jax.random.key(_SEED.value), s), fam, m=p["m"], k=p["k"],
           n=p["n"]), d), static_argnums=1)
@@ -577,115 +728,147 @@ def _summarise_matches(rows) -> dict:
 # ---------------------------------------------------------------------------
 
 
-def default_out(modes) -> Path:
+def default_out(run_modes) -> Path:
   date = datetime.date.today().isoformat()
-  return bench_env.REPO / "experiments" / "results" / f"{date}_numerics_{'_'.join(modes)}.json"
+  return (bench_env.REPO / "experiments" / "results" /
+          f"{date}_numerics_{'_'.join(run_modes)}.json")
+
+
+def print_rules(rule: dict) -> None:
+  print("\nrule (max ratio <= 1.1 over >= "
+        f"{numerics.MIN_RULE_INPUTS} inputs x each family; null: not established):")
+  for run_mode, by_d in rule.items():
+    if run_mode == "by_d":
+      continue
+    for d, by_mode in by_d.items():
+      for md, v in by_mode.items():
+        print(f"  {run_mode:<10} D={d:<2} {md:<14} holds={v['holds']}  ({v['reason']})")
+  for d, by_mode in rule.get("by_d", {}).items():
+    allowed = [md for md, v in by_mode.items() if v["allowed"]]
+    print(f"  GPU D={d}: allowed {allowed}")
 
 
 def print_table(rows) -> None:
-  print("\nmode       D  family          partial    max    p99    median  >1.1/N      worst_seed")
+  print("\nrun mode   D  family          mode           max    p99    median  >1.1/N      "
+        "worst_seed  identical")
   for r in rows:
+    head = f"{r['mode']:<10} {r['d']:<2} {r['family']:<15} {r['numerics']:<14}"
     if "error" in r:
-      print(f"{r['mode']:<10} {r['d']:<2} {r['family']:<15} {r['partial_dtype']:<9}  "
-            f"{'skipped' if r.get('skipped') else 'ERROR: ' + r['error'][:60]}")
+      print(f"{head} {'skipped' if r.get('skipped') else 'ERROR: ' + r['error'][:60]}")
       continue
-    print(f"{r['mode']:<10} {r['d']:<2} {r['family']:<15} {r['partial_dtype']:<9}  "
-          f"{bench_env.fmt(r['max'], '.3f'):<6} {bench_env.fmt(r['p99'], '.3f'):<6} "
+    print(f"{head} {bench_env.fmt(r['max'], '.3f'):<6} {bench_env.fmt(r['p99'], '.3f'):<6} "
           f"{bench_env.fmt(r['median'], '.3f'):<7} "
-          f"{r['num_over_bound']:>4}/{r['num_inputs']:<6} {r['worst_seed']}")
+          f"{r['num_over_bound']:>4}/{r['num_inputs']:<6} {r['worst_seed']:<11} "
+          f"{r['identical_share']:.4%}")
+
+
+def _multi_ds(jax) -> list[int]:
+  if _MULTI_D.value:
+    return [int(v) for v in _MULTI_D.value]
+  n_dev = len(jax.devices())
+  return [v for v in (2, 4, 8) if v <= n_dev]
 
 
 def main(argv):
   del argv
-  modes = list(_MODE.value)
+  run_modes = list(_MODE.value)
   whats = list(_WHAT.value)
-  if not set(modes) <= set(MODES) or not modes:
-    raise app.UsageError(f"--mode={modes} must be a subset of {MODES}")
+  modes = list(_NMODES.value)
+  if not set(run_modes) <= set(RUN_MODES) or not run_modes:
+    raise app.UsageError(f"--mode={run_modes} must be a subset of {RUN_MODES}")
   if not set(whats) <= set(WHATS) or not whats:
     raise app.UsageError(f"--what={whats} must be a subset of {WHATS}")
+  if not set(modes) <= set(numerics.MODE_NAMES) or not modes:
+    raise app.UsageError(f"--modes={modes} must be a subset of {numerics.MODE_NAMES}")
   if not set(_FAMILIES.value) <= set(numerics.FAMILIES):
     raise app.UsageError(f"--families={_FAMILIES.value} must be a subset of {numerics.FAMILIES}")
-  if not set(_PDS.value) <= set(numerics.PARTIAL_DTYPES):
-    raise app.UsageError(f"--partial_dtypes must be a subset of {numerics.PARTIAL_DTYPES}")
   if len(_SHAPE.value) != 3:
     raise app.UsageError(f"--shape={_SHAPE.value} must be chunk_m,n,k_shard")
-  if "multi_gpu" in modes:
+  out_path = Path(_OUT.value) if _OUT.value else default_out(run_modes)
+  if "numerics" not in out_path.name:
+    raise app.UsageError(f"--out={out_path}: the file name must contain 'numerics'")
+  if "multi_gpu" in run_modes:
     bench_env.configure_environment("multi_gpu")  # NCCL_NVLS_ENABLE=0, refuses multicast.
   import jax  # pylint: disable=g-import-not-at-top
-  if modes == ["emulate"] and not os.environ.get("JAX_PLATFORMS"):
+  if run_modes == ["emulate"] and not os.environ.get("JAX_PLATFORMS"):
     jax.config.update("jax_platforms", "cpu")  # The generator only; never grab a GPU.
-  out_path = Path(_OUT.value) if _OUT.value else default_out(modes)
   ds = [int(v) for v in _DS.value]
-  fams, pds, num = list(_FAMILIES.value), list(_PDS.value), _NUM.value
+  fams, num = list(_FAMILIES.value), _NUM.value
   budget = Budget(_BUDGET.value)
+  multi_ds = _multi_ds(jax) if "multi_gpu" in run_modes else []
   result = dict(environment=bench_env.environment_block(sys.argv),
-                flags=dict(mode=modes, what=whats, num_devices=ds, families=fams,
-                           partial_dtypes=pds, num_inputs=num, shape=_SHAPE.value,
-                           seed=_SEED.value, time_budget_s=_BUDGET.value),
+                flags=dict(mode=run_modes, what=whats, modes=modes, num_devices=ds,
+                           multi_gpu_devices=multi_ds, families=fams, num_inputs=num,
+                           shape=_SHAPE.value, seed=_SEED.value, time_budget_s=_BUDGET.value,
+                           baseline_inputs=_BASELINE_INPUTS.value),
+                numerics_modes={md: dict(zip(("partial_dtype", "owner_sum"),
+                                             numerics.NUMERICS_MODES[md])) for md in modes},
+                unfused_baselines={k: v for k, v in UNFUSED_BASELINES.items() if k in run_modes},
                 input_recipe=("numerics.family_inputs(jax.random.fold_in(jax.random.key(seed), "
                               "worst_seed), family, m=shape.m, k=shape.k, n=shape.n), split "
                               "along k by numerics.split_inputs"),
-                rule_bound=numerics.RULE_BOUND, cases=[], baseline={})
-  if set(modes) - {"emulate"}:
-    result["kernel_reads_partial_dtype"] = kernel_reads_partial_dtype()
+                rule_bound=numerics.RULE_BOUND, min_rule_inputs=numerics.MIN_RULE_INPUTS,
+                cases=[], baseline={}, rule={})
+  if set(run_modes) - {"emulate"}:
+    result["kernel_reads"] = kernel_reads_numerics()
   save = lambda: bench_env.write_json(out_path, bench_env.sanitize(result), allow_nan=False)
   t_start = time.time()
 
-  multi_d = _MULTI_D.value
-  if "multi_gpu" in modes and not multi_d:
-    n_dev = len(jax.devices())
-    multi_d = max((v for v in (2, 4, 8) if v <= n_dev), default=0)
-  # The baseline first: it is short and settles what the unfused path computes.
-  if "baseline" in whats:
-    if "multi_gpu" in modes and multi_d >= 2:
+  # The NVLink baseline first: it is short and settles what the unfused path computes.
+  if "baseline" in whats and "multi_gpu" in run_modes:
+    result["baseline"]["multi_gpu"] = []
+    for d in multi_ds:
       try:
-        result["baseline"]["multi_gpu"] = baseline_multi_gpu(multi_d, fams, pds, out_path)
+        res = baseline_multi_gpu(d, fams, modes, out_path)
       except Exception as e:  # pylint: disable=broad-except
         print(traceback.format_exc()[-3000:], flush=True)
-        result["baseline"]["multi_gpu"] = dict(error=f"{type(e).__name__}: {e}"[:1500])
-      save()
-    if "loopback" in modes:
-      result["baseline"]["loopback"] = baseline_loopback(ds, fams, pds, out_path)
+        res = dict(d=d, error=f"{type(e).__name__}: {e}"[:1500])
+      result["baseline"]["multi_gpu"].append(res)
       save()
   if "sweep" in whats:
-    for mode in modes:
-      mode_ds = ds if mode != "multi_gpu" else [multi_d]
-      for d in mode_ds:
-        if mode == "multi_gpu" and d < 2:
-          result["cases"] += [_error_row(mode, d, fam, pd, RuntimeError(
-              "multi_gpu needs >= 2 visible devices")) for fam in fams for pd in pds]
+    for run_mode in [m for m in DEVICE_RUN_MODES if m in run_modes] + (
+        ["emulate"] if "emulate" in run_modes else []):
+      for d in (multi_ds if run_mode == "multi_gpu" else ds):
+        if run_mode == "multi_gpu" and (d < 2 or d > len(jax.devices())):
+          result["cases"] += [_error_row(run_mode, d, fam, md, RuntimeError(
+              f"multi_gpu D={d} needs 2 <= D <= {len(jax.devices())} visible devices"))
+                              for fam in fams for md in modes]
           continue
-        if mode == "emulate":
-          for fam in fams:
-            if budget.exceeded():
-              result["cases"] += [dict(_error_row(mode, d, fam, pd, RuntimeError("skipped")),
-                                       skipped=True) for pd in pds]
-              continue
-            t = time.time()
-            stats = emulate_case(d, fam, pds, num)
-            rows = _case_rows(mode, d, fam, pds, stats, np.arange(num),
-                              seconds=round(time.time() - t, 2))
-            src = numerics.ratio_summary
-            for row in rows:  # The same fused outputs against the source-order unfused sum.
-              s = src(stats[f"err_fused_{row['partial_dtype']}"], stats["err_unfused_source"])
-              row["vs_source_order"] = {k: s[k] for k in ("max", "p99", "median",
-                                                          "num_over_bound", "worst_seed")}
-            result["cases"] += rows
-            print(f"[emulate D={d} {fam}] {rows[0]['seconds']} s", flush=True)
-        else:
-          result["cases"] += device_cases(mode, d, fams, pds, num, budget)
+        if run_mode != "emulate":
+          result["cases"] += device_cases(run_mode, d, fams, modes, num, budget)
+          save()
+          continue
+        for fam in fams:
+          if budget.exceeded():
+            result["cases"] += _skipped_rows(run_mode, d, [fam], modes)
+            continue
+          t = time.time()
+          stats = emulate_case(d, fam, modes, num)
+          rows = _case_rows(run_mode, d, fam, modes, stats, np.arange(num),
+                            seconds=round(time.time() - t, 2))
+          result["cases"] += rows
+          print(f"[emulate D={d} {fam}] {rows[0]['seconds']} s", flush=True)
         save()
+    result["rule"] = rule_table(result["cases"], modes)
+    save()
+  # The loopback baseline last: the sweep's identical shares already compare the kernel with
+  # the XLA emulation; this adds the other modes' emulations and the HLO.
+  if "baseline" in whats and "loopback" in run_modes:
+    result["baseline"]["loopback"] = baseline_loopback(ds, fams, modes, out_path, budget)
+    save()
   result["total_seconds"] = round(time.time() - t_start, 1)
   save()
   for part, res in result["baseline"].items():
-    for r in res if isinstance(res, list) else [res]:
+    for r in res:
       exact = r.get("user_program_bit_exact_with", r.get("xla_emulation_bit_exact_with"))
       print(f"\nbaseline {part} D={r.get('d')}: {r.get('error') or ''} bit-exact with the "
             f"emulation(s) {exact}")
       for k, v in (r.get("summary") or {}).items():
         print(f"  {k}: {v:.4f}")
-  print_table(result["cases"])
+  if result["rule"]:
+    print_rules(result["rule"])
   print(f"\n{out_path}  ({result['total_seconds']} s)")
+  print_table(result["cases"])
   bad = [r for r in result["cases"] if "error" in r and not r.get("skipped")]
   return 1 if bad else 0
 

@@ -15,8 +15,9 @@ Unfused path (`unfused_reduce_scatter`), what XLA + NCCL compute for
   2. NCCL's ring reduce-scatter sums the bf16 buffers chunk by chunk. Each hop adds the incoming
      bf16 running sum and the local bf16 partial and stores bf16: one correctly rounded bf16 add
      per hop (`__hadd2` on sm_80+, i.e. `add.rn.bf16x2`; emulated as an fp32 add of two bf16
-     values, exact unless their exponents differ by more than 15, then a rounding to bf16 --
-     bit-identical to a correctly rounded bf16 add). D - 1 roundings of the running sum.
+     values, exact unless their exponents differ by more than 16, then a rounding to bf16 --
+     bit-identical to a correctly rounded bf16 add, `bf16_add`). D - 1 roundings of the
+     running sum.
   The order of the adds for chunk c (`add_order`):
     "ring":   NCCL's ring algorithm (src/device/reduce_scatter.h, runRing): the rank after c in
               the ring sends its partial, each next rank adds its own and forwards, and c adds its
@@ -32,11 +33,33 @@ Unfused path (`unfused_reduce_scatter`), what XLA + NCCL compute for
   after an fp32 reduce-scatter (no rounding of the partials, fp32 sum, one rounding): the GPU
   baseline run (experiments/numerics.py --what=baseline) tells which one XLA really runs.
 
-Fused path (`fused_owner_sum`), what kernel.py's `reduce_tile` computes on rank r:
-  acc = own fp32 partial P_r (never rounded); for slot j = 0 .. D-2 (source (r - j - 1) % D,
-  schedule.source_of_slot): acc = fp32(acc + p_j), where p_j is the peer's fp32 partial rounded
-  to bf16 (`partial_dtype="bfloat16"`, what the peer stores) or kept in fp32 (`"float32"`);
-  finally one rounding to bf16.
+Fused path (`fused_owner_sum`), what kernel.py's `reduce_tile` computes on rank r, in one of
+the numerics modes (`NUMERICS_MODES`, mirrored from config.NUMERICS_MODES: name ->
+(Config.partial_dtype, Config.owner_sum)):
+  owner_sum="fp32" ("fp32_partials", "bf16_partials"): acc = own fp32 partial P_r (never
+  rounded); for slot j = 0 .. D-2 (source (r - j - 1) % D, schedule.source_of_slot):
+  acc = fp32(acc + p_j), where p_j is the peer's fp32 partial rounded to bf16
+  (`partial_dtype="bfloat16"`, what the peer stores) or kept in fp32 (`"float32"`); finally one
+  rounding to bf16.
+  owner_sum="bf16_ring" ("unfused_order", bf16 partials only): the unfused path's arithmetic.
+  The slots are read in schedule.ring_slots order (sources r+1, r+2, ..., r+D-1); the running
+  sum starts as the bf16 partial of r+1, each next peer is one bf16 add
+  run = round_bf16(fp32(run) + fp32(p)), and the owner's own partial, rounded to bf16 like
+  every other partial, is added last: out = round_bf16(run + round_bf16(P_r)). That is
+  `unfused_reduce_scatter(order="ring")` on the identity ring, term for term, so the output is
+  bit-identical to the unfused emulation (tests/test_numerics.py), and to the real unfused
+  path wherever the kernel's fp32 partials equal cuBLAS's and NCCL sums on the identity ring.
+  Not a bound by itself: where a partial differs from cuBLAS's in its last fp32 bit and that
+  flips its bf16 rounding, the output moves by a bf16 ulp (measured by experiments/numerics.py).
+
+The bf16 add: the sum of two bf16 values is exact in fp32 whenever their exponents differ by at
+most 16 (two 8-bit significands 16 binades apart span 24 bits; a carry out of the top needs a
+gap <= 7) and it does not overflow fp32 (both operands near 2^128); from a gap of 17 on fl32 may
+round. round_bf16(fl32(a + b)) is nevertheless the correctly rounded bf16 sum for every pair of
+bf16 values, infinities included (fp32's 24 bits >= 2 * 8 + 2, so the double rounding is
+innocuous: where fl32 rounds, the smaller operand is below 2^-16 of the larger one and the sum
+cannot come near a bf16 midpoint). tests/test_numerics.py checks both claims exhaustively over a
+structured set of 1.3e8 pairs (all 2^32 pairs with PALLAS_RS_ALL_BF16_PAIRS=1).
 
 Why `partial_dtype="float32"` keeps the promise by construction: with s' the owner's fp32 sum,
 round_bf16(s') is the bf16 value nearest to s', so for any bf16 output u (the unfused one
@@ -66,9 +89,22 @@ from pallas_rs import schedule
 from pallas_rs.testing import split_inputs  # Re-exported: the per-rank view of `family_inputs`.
 
 RULE_BOUND = 1.1
-# The values of Config.partial_dtype (pallas_rs/config.py; kept here so that importing this module
-# does not import the Mosaic GPU chain; tests/test_numerics.py checks they agree).
+# The values of Config.partial_dtype, Config.owner_sum and config.NUMERICS_MODES
+# (pallas_rs/config.py; kept here so that importing this module does not import the Mosaic GPU
+# chain; tests/test_numerics.py checks they agree).
 PARTIAL_DTYPES = ("bfloat16", "float32")
+OWNER_SUMS = ("fp32", "bf16_ring")
+NUMERICS_MODES = {
+    "fp32_partials": ("float32", "fp32"),
+    "bf16_partials": ("bfloat16", "fp32"),
+    "unfused_order": ("bfloat16", "bf16_ring"),
+}
+MODE_NAMES = tuple(NUMERICS_MODES)
+# The modes whose rule holds by construction (module doc: a bound of 1 + ~1e-3); the others are
+# allowed at a D only where the measured max ratio over >= MIN_RULE_INPUTS inputs of each of
+# the FAMILIES is <= RULE_BOUND (`rule_verdict`).
+GUARANTEED_MODES = ("fp32_partials",)
+MIN_RULE_INPUTS = 1000
 UNFUSED_ORDERS = ("ring", "source")
 UNFUSED_ACCUMULATE = ("bfloat16", "promoted")
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -84,10 +120,12 @@ OUTLIER_SCALE = (10.0, 100.0)
 WEIGHT_STD = 0.02
 
 __all__ = [
-    "BF16", "FAMILIES", "PARTIAL_DTYPES", "RULE_BOUND", "UNFUSED_ACCUMULATE", "UNFUSED_ORDERS",
-    "add_order", "case_errors", "error_ratio", "family_inputs", "family_scales",
-    "fused_owner_sum", "max_rel_error", "partials_and_reference", "ratio_summary", "round_bf16",
-    "split_inputs", "unfused_reduce_scatter",
+    "BF16", "FAMILIES", "GUARANTEED_MODES", "MIN_RULE_INPUTS", "MODE_NAMES", "NUMERICS_MODES",
+    "OWNER_SUMS", "PARTIAL_DTYPES", "RULE_BOUND", "UNFUSED_ACCUMULATE", "UNFUSED_ORDERS",
+    "add_order", "bf16_add", "case_errors", "error_ratio", "family_inputs", "family_scales",
+    "fused_owner_sum", "max_rel_error", "mode_of", "mode_summaries", "partials_and_reference",
+    "ratio_summary", "resolve_mode", "round_bf16", "rule_verdict", "split_inputs",
+    "unfused_reduce_scatter",
 ]
 
 max_rel_error = reference.max_rel_error  # The rule's statistic; the only one used here.
@@ -103,6 +141,45 @@ def round_bf16(a) -> np.ndarray:
     raise TypeError(f"round_bf16 takes float32 or bfloat16, got {a.dtype} (a float64 -> bf16 "
                     "cast would not be the fp32 -> bf16 rounding the GPU does)")
   return a.astype(BF16).astype(np.float32)
+
+
+def bf16_add(a, b) -> np.ndarray:
+  """The bf16 add as the GPU does it (`add.rn.bf16`), on bf16 values held in float32:
+  round_bf16(fl32(a + b)), the correctly rounded bf16 sum (module doc; tested exhaustively)."""
+  a, b = np.asarray(a), np.asarray(b)
+  for v in (a, b):
+    if v.dtype not in (np.float32, BF16):
+      raise TypeError(f"bf16_add takes float32 or bfloat16, got {v.dtype}")
+  with np.errstate(over="ignore", invalid="ignore"):  # inf and inf - inf as the GPU gives
+    return round_bf16(a.astype(np.float32) + b.astype(np.float32))
+
+
+def resolve_mode(mode: str | None = None, *, partial_dtype: str | None = None,
+                 owner_sum: str | None = None) -> tuple[str, str]:
+  """(partial_dtype, owner_sum) of a numerics mode, or of the two fields given directly
+  (defaults "bfloat16" and "fp32", the Config defaults); both at once is an error."""
+  if mode is not None:
+    if partial_dtype is not None or owner_sum is not None:
+      raise ValueError(f"give mode={mode!r} or partial_dtype / owner_sum, not both")
+    if mode not in NUMERICS_MODES:
+      raise ValueError(f"numerics mode {mode!r} must be one of {MODE_NAMES}")
+    return NUMERICS_MODES[mode]
+  partial_dtype = "bfloat16" if partial_dtype is None else partial_dtype
+  owner_sum = "fp32" if owner_sum is None else owner_sum
+  if partial_dtype not in PARTIAL_DTYPES:
+    raise ValueError(f"partial_dtype={partial_dtype!r} must be one of {PARTIAL_DTYPES}")
+  if owner_sum not in OWNER_SUMS:
+    raise ValueError(f"owner_sum={owner_sum!r} must be one of {OWNER_SUMS}")
+  if owner_sum == "bf16_ring" and partial_dtype != "bfloat16":
+    raise ValueError(f"owner_sum='bf16_ring' adds bf16 partials; {partial_dtype=} must be "
+                     "'bfloat16'")
+  return partial_dtype, owner_sum
+
+
+def mode_of(partial_dtype: str, owner_sum: str = "fp32") -> str:
+  """The numerics mode name of (partial_dtype, owner_sum) (as Config.numerics)."""
+  pair = resolve_mode(partial_dtype=partial_dtype, owner_sum=owner_sum)
+  return next(k for k, v in NUMERICS_MODES.items() if v == pair)
 
 
 def _check_partials(partials) -> np.ndarray:
@@ -165,22 +242,29 @@ def unfused_reduce_scatter(partials, *, order: str | Sequence[int] = "ring",
     srcs = add_order(c, d, order, ring)
     acc = blocks[srcs[0], c]
     for s in srcs[1:]:
-      acc = acc + blocks[s, c]  # float32 + float32 -> float32 (round to nearest)
+      with np.errstate(over="ignore", invalid="ignore"):  # inf, inf - inf: as the GPU gives
+        acc = acc + blocks[s, c]  # float32 + float32 -> float32 (round to nearest)
       if accumulate == "bfloat16":
         acc = round_bf16(acc)
     out[c] = acc.astype(BF16)
   return out
 
 
-def fused_owner_sum(partials, *, partial_dtype: str = "bfloat16") -> np.ndarray:
+def fused_owner_sum(partials, *, partial_dtype: str | None = None,
+                    owner_sum: str | None = None, mode: str | None = None) -> np.ndarray:
   """The fused kernel's result from fp32 partials [D, m, n] -> bf16 [D, m // D, n].
 
-  Rank r: fp32 accumulator = own partial P_r[chunk r]; adds slot j = 0 .. D-2 (source
-  schedule.source_of_slot(r, j, D)) in fp32, each partial rounded to bf16 first when
-  partial_dtype="bfloat16" (what the peer sends) or as is for "float32"; rounds once.
+  The arithmetic is chosen by `mode` (a key of NUMERICS_MODES) or by `partial_dtype` and
+  `owner_sum` (Config's fields; default "bfloat16" / "fp32", i.e. "bf16_partials"):
+  owner_sum="fp32": rank r's fp32 accumulator = own partial P_r[chunk r]; adds slot
+  j = 0 .. D-2 (source schedule.source_of_slot(r, j, D)) in fp32, each partial rounded to bf16
+  first when partial_dtype="bfloat16" (what the peer sends) or as is for "float32"; rounds once.
+  owner_sum="bf16_ring": the slots in schedule.ring_slots order, a bf16 add per peer after the
+  first, the own partial rounded to bf16 and added last (module doc), as kernel.py's
+  reduce_tile does it.
   """
-  if partial_dtype not in PARTIAL_DTYPES:
-    raise ValueError(f"partial_dtype={partial_dtype!r} must be one of {PARTIAL_DTYPES}")
+  partial_dtype, owner_sum = resolve_mode(mode, partial_dtype=partial_dtype,
+                                          owner_sum=owner_sum)
   p = _check_partials(partials).astype(np.float32)
   d, m, n = p.shape
   chunk = m // d
@@ -188,9 +272,18 @@ def fused_owner_sum(partials, *, partial_dtype: str = "bfloat16") -> np.ndarray:
   sent = round_bf16(blocks) if partial_dtype == "bfloat16" else blocks
   out = np.empty((d, chunk, n), BF16)
   for r in range(d):
+    if owner_sum == "bf16_ring":
+      run = None  # The running bf16 sum (held in float32), as the kernel holds it.
+      for j in schedule.ring_slots(d):
+        part = sent[schedule.source_of_slot(r, j, d), r]
+        run = part if run is None else bf16_add(run, part)
+      own = round_bf16(blocks[r, r])
+      out[r] = (own if run is None else bf16_add(run, own)).astype(BF16)
+      continue
     acc = blocks[r, r]
     for j in range(d - 1):
-      acc = acc + sent[schedule.source_of_slot(r, j, d), r]
+      with np.errstate(over="ignore", invalid="ignore"):
+        acc = acc + sent[schedule.source_of_slot(r, j, d), r]
     out[r] = acc.astype(BF16)
   return out
 
@@ -203,14 +296,18 @@ def error_ratio(err_fused: float, err_unfused: float) -> float:
   return float(err_fused) / float(err_unfused)
 
 
-def case_errors(partials, ref, *, partial_dtypes: Sequence[str] = PARTIAL_DTYPES,
-                orders: Sequence[str] = UNFUSED_ORDERS, ring=None) -> dict[str, float]:
+def case_errors(partials, ref, *, modes: Sequence[str] = MODE_NAMES,
+                partial_dtypes: Sequence[str] = (), orders: Sequence[str] = UNFUSED_ORDERS,
+                ring=None) -> dict[str, float]:
   """max_rel_error of each emulated path against `ref` [D, m // D, n] (float64).
 
-  Keys: "unfused_<order>" for each order, "fused_<partial_dtype>" for each partial dtype.
+  Keys: "unfused_<order>" for each order, "fused_<mode>" for each numerics mode, and
+  "fused_<partial_dtype>" (owner_sum="fp32") for each of `partial_dtypes` (the older naming).
   """
   errs = {f"unfused_{o}": max_rel_error(unfused_reduce_scatter(partials, order=o, ring=ring),
                                         ref) for o in orders}
+  errs.update({f"fused_{md}": max_rel_error(fused_owner_sum(partials, mode=md), ref)
+               for md in modes})
   errs.update({f"fused_{pd}": max_rel_error(fused_owner_sum(partials, partial_dtype=pd), ref)
                for pd in partial_dtypes})
   return errs
@@ -254,6 +351,49 @@ def ratio_summary(err_fused, err_unfused, seeds=None, *, bound: float = RULE_BOU
               min=float(ratio.min()), num_over_bound=int(np.sum(ratio > bound)),
               bound=bound, worst_seed=int(seeds[worst]), err_fused_at_worst=float(ef[worst]),
               err_unfused_at_worst=float(eu[worst]))
+
+
+def mode_summaries(errors, seeds=None, *, modes: Sequence[str] = MODE_NAMES,
+                   unfused: str = "unfused_ring", bound: float = RULE_BOUND) -> dict:
+  """{mode: ratio_summary(errors["fused_<mode>"], errors[unfused], seeds)}.
+
+  `errors`: a dict of per-input error arrays with case_errors' keys, or a list of case_errors
+  dicts (one per input).
+  """
+  if not isinstance(errors, dict):
+    errors = {k: [e[k] for e in errors] for k in errors[0]}
+  return {md: ratio_summary(errors[f"fused_{md}"], errors[unfused], seeds, bound=bound)
+          for md in modes}
+
+
+def rule_verdict(summaries: Sequence[dict], *, families: Sequence[str] = FAMILIES,
+                 min_inputs: int = MIN_RULE_INPUTS, bound: float = RULE_BOUND) -> dict:
+  """Whether one mode at one D keeps the rule, from its ratio summaries (one per family, each
+  with "family", "num_inputs" and "max"; rows with an "error" count as missing).
+
+  holds: False if any family's max > bound (a failure needs no more inputs); True if every
+  family of `families` has >= min_inputs inputs and max <= bound; None (not established)
+  otherwise. The gate allows a measured mode at a D only where holds is True.
+  """
+  ok = [s for s in summaries if "error" not in s and s.get("num_inputs")]
+  by_fam = {}
+  for s in ok:
+    by_fam.setdefault(s["family"], []).append(s)
+  worst = max(ok, key=lambda s: s["max"], default=None)
+  over = sum(s.get("num_over_bound", 0) for s in ok)
+  missing = sorted(f for f in families
+                   if sum(s["num_inputs"] for s in by_fam.get(f, [])) < min_inputs)
+  if worst is not None and worst["max"] > bound:
+    holds, why = False, f"max {worst['max']:.4f} > {bound} ({worst['family']})"
+  elif missing:
+    holds, why = None, f"fewer than {min_inputs} inputs (or none) for {missing}"
+  else:
+    holds, why = True, f"max {worst['max']:.4f} <= {bound} over {len(families)} families"
+  return dict(holds=holds, reason=why, max=None if worst is None else worst["max"],
+              worst_family=None if worst is None else worst["family"],
+              worst_seed=None if worst is None else worst.get("worst_seed"),
+              num_over_bound=over, num_inputs=sum(s["num_inputs"] for s in ok),
+              families=sorted(by_fam), min_inputs=min_inputs, bound=bound)
 
 
 # ---------------------------------------------------------------------------
