@@ -212,16 +212,21 @@ class Config:
           f"num_sms // num_devices = {self.num_sms} // {num_devices} CTAs of a loopback rank")
 
 
-def default_partial_dtype(num_devices: int) -> str:
-  """The partial dtype that keeps the seed's error rule (docs/design.md section 5).
+def default_numerics(num_devices: int) -> str:
+  """The numerics mode (NUMERICS_MODES) that keeps the seed's error rule at this D, at the
+  fewest bytes (docs/design.md section 5).
 
-  Sent in fp32, the partials are summed and rounded once: the result is the bf16 value nearest
-  the fp32 sum, never further from it than the unfused output (a guarantee). Sent in bf16
-  they are rounded twice, and the max error exceeded the unfused one by more than 10% on
-  1-2% of inputs at D = 2 and on the outlier family at D = 4 (measured, section 5.2); at
-  D = 8 the unfused path's seven roundings leave bf16 partials a wide margin (max 1.0 over
-  1200 GPU inputs), so there the bytes stay bf16."""
-  return "float32" if num_devices <= 4 else "bfloat16"
+  D = 2: "unfused_order" - bf16 bytes, and the owner's arithmetic is the unfused path's own
+  (one rounded bf16 add per pair, the only order at D = 2), so the output equals the unfused
+  one wherever the kernel's fp32 partials equal cuBLAS's (measured: ratio 1.0 and 99.96% of
+  elements bit-identical on NVLink, at the speed of bf16 partials). D <= 4: "fp32_partials"
+  (a guarantee: one rounding of the fp32 sum; bf16 partials broke the rule on the outlier
+  family at D = 4, and NCCL's add order at D = 4 is not yet checked on hardware). D = 8:
+  "bf16_partials" (the unfused path's seven roundings leave a wide margin: max ratio 1.0 over
+  1200 GPU inputs)."""
+  if num_devices == 2:
+    return "unfused_order"
+  return "fp32_partials" if num_devices <= 4 else "bf16_partials"
 
 
 def with_partial_dtype(cfg: Config, partial_dtype: str, num_devices: int) -> Config:
@@ -288,10 +293,10 @@ def default_config(*, m: int, n: int, k_shard: int, num_devices: int,
   if k_shard % tile_k:
     raise NotImplementedError(f"{k_shard=} is not a multiple of 64 (tile_k); no padding {where}")
   tile_m = 128 if chunk % 128 == 0 else 64
-  partial_dtype = default_partial_dtype(num_devices)
+  partial_dtype, owner_sum = NUMERICS_MODES[default_numerics(num_devices)]
   cfg = Config(tile_m=tile_m, tile_n=tile_n, tile_k=tile_k, epi_tile_m=64,
                epi_tile_n=_epi_tile_n(tile_n, partial_dtype), num_sms=num_sms,
-               partial_dtype=partial_dtype)
+               partial_dtype=partial_dtype, owner_sum=owner_sum)
   cfg = _largest_steps(cfg, num_devices)
   cfg.check_shape(m=m, n=n, k_shard=k_shard, num_devices=num_devices)
   return cfg
@@ -300,7 +305,8 @@ def default_config(*, m: int, n: int, k_shard: int, num_devices: int,
 def search_space(*, m: int, n: int, k_shard: int, num_devices: int,
                  num_sms: int = DEFAULT_NUM_SMS) -> Iterator[Config]:
   """Every config the tuner may try for this shape: valid and within the SMEM limit."""
-  partial_dtype = default_partial_dtype(num_devices)  # Fixed by the error rule, not tuned.
+  # Fixed per D by the error rule (default_numerics), not tuned.
+  partial_dtype, owner_sum = NUMERICS_MODES[default_numerics(num_devices)]
   for tile_m, tile_n, steps, recv_stages, minor, width, eager, comm, out_slots in (
       itertools.product((64, 128), (64, 128), (2, 3, 4, 5), (1, 2, 4),
                         (MatmulDimension.N, MatmulDimension.M), (1, 4), (0, 1), (0, 2, 4),
@@ -311,7 +317,7 @@ def search_space(*, m: int, n: int, k_shard: int, num_devices: int,
                  epi_tile_m=64, epi_tile_n=_epi_tile_n(tile_n, partial_dtype),
                  recv_stages=recv_stages, grid_minor_dim=minor, grid_tile_width=width,
                  num_sms=num_sms, eager_signal_steps=eager, comm_ctas=comm,
-                 out_slots=out_slots, partial_dtype=partial_dtype)
+                 out_slots=out_slots, partial_dtype=partial_dtype, owner_sum=owner_sum)
     try:
       cfg.check_shape(m=m, n=n, k_shard=k_shard, num_devices=num_devices)
     except NotImplementedError:
