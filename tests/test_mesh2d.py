@@ -517,3 +517,60 @@ def test_multi_process_is_refused_with_the_multicast_reason(monkeypatch):
       implementation="auto", config=None, axis_name="tp")
   assert impl == "xla" and multicast in reason and "process_count=2" in reason
 
+
+# --- experiments/mesh2d_check.py (the four-GPU run), its CPU plumbing ------------------------
+
+STAND_INS = """
+import jax
+from jax import lax
+import jax.numpy as jnp
+def stand_in(x, w, *, axis_name, num_devices, config=None):
+  out = reference.matmul_reduce_scatter(x, w, axis_name=axis_name)
+  if {mix} and "dp" in jax.sharding.get_abstract_mesh().axis_names:
+    out = (lax.psum(out.astype(jnp.float32), "dp") / 2).astype(out.dtype)  # groups mixed
+  return out
+fused.fused_matmul_reduce_scatter = stand_in
+"""
+
+
+@pytest.mark.parametrize("mix", [False, True])
+def test_mesh2d_check_script_checks_what_it_runs(tmp_path, mix):
+  """The script's checks with the kernel replaced by the XLA path (right), or by one that mixes
+  the two data-parallel groups on the 2-D mesh (wrong: every check must see it)."""
+  import json  # pylint: disable=g-import-not-at-top
+  out = tmp_path / "mesh2d.json"
+  proc = helpers.run_script_with_stand_ins(
+      "mesh2d_check.py", ["--names=llama70b_o_proj_m512,mixtral8x22b_w2_m2048", "--scale=64",
+                          "--iterations=2", f"--out={out}"],
+      stand_ins=STAND_INS.format(mix=mix), after_load="mod.require_gpus = lambda: None")
+  assert out.exists(), proc.stderr[-3000:]
+  result = json.loads(out.read_text())
+  rows = result["rows"]
+  assert [r["name"] for r in rows] == ["llama70b_o_proj_m512", "mixtral8x22b_w2_m2048"]
+  assert all("error" not in r for r in rows), [r.get("error") for r in rows]
+  assert result["mesh"] == {"dp": 2, "tp": 2} and result["environment"]["jax_version"]
+  for r in rows:
+    assert (r["m"], r["k_shard"]) in ((8, 64), (32, 128))
+    assert r["auto_expected"] == "xla" and r["ok_auto"]  # CPU: "auto" is XLA, as expected
+    assert r["ok_error"] is (not mix) and r["bit_identical_1d"] is (not mix), r
+    assert all(r[f"t_{key}_us"] > 0 for key in ("fused_2d", "fused_1d", "unfused_2d"))
+    assert r["timer"] == "host_wall_clock"
+  assert (proc.returncode == 0) is (not mix), proc.stderr[-3000:]
+  assert "2D/1D" in proc.stdout.splitlines()[-3]  # the table comes last
+
+
+def test_mesh2d_check_script_lower_only(tmp_path):
+  import json  # pylint: disable=g-import-not-at-top
+  import os  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  out = tmp_path / "lower.json"
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  env["PYTHONPATH"] = str(helpers.REPO)
+  proc = subprocess.run(
+      [sys.executable, "experiments/mesh2d_check.py", "--lower_only",
+       "--names=mixtral8x22b_o_proj_m2048", f"--out={out}"],
+      capture_output=True, text=True, env=env, cwd=helpers.REPO, timeout=600, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  (row,) = json.loads(out.read_text())["rows"]
+  assert row["lowered_fused_2d"] and row["lowered_fused_1d"] and row["k_shard"] == 6144 // 2
