@@ -102,6 +102,8 @@ def matmul_reduce_scatter(x: jax.Array, w: jax.Array, *, axis_name,
     x: [m, k_shard] (k_shard = K / D), this device's activations.
     w: [k_shard, n], this device's weight rows; same dtype as `x`.
     axis_name: mesh axis of the enclosing `jax.shard_map` that K is sharded over.
+      The mesh may have other axes (e.g. data parallelism): the sum then runs
+      within each group of devices that share their coordinates on those axes.
     scatter_dimension: 0 (default) scatters rows, giving [m // D, n]
       (sequence parallelism); 1 scatters columns, giving [m, n // D]. -2 and -1
       are accepted as aliases of 0 and 1.
@@ -133,6 +135,7 @@ def matmul_reduce_scatter(x: jax.Array, w: jax.Array, *, axis_name,
       implementation=implementation, config=config, axis_name=axis_name)
   if reason is not None:
     platform.log_fallback_once(reason)
+  x, w = vjp.match_vma(x, w)
   return vjp.matmul_reduce_scatter(x, w, axis_name, scatter_dimension, impl,
                                    config)
 
@@ -262,4 +265,5 @@ def row_parallel_matmul(x: jax.Array, w: jax.Array, *, mesh: jax.sharding.Mesh,
   _check_config(kwargs.get("config"))
   fn = _row_parallel_fn(mesh, axis_name, scatter_dimension,
                         tuple(sorted(kwargs.items())))
-  return fn(x, w)
+  with platform.tracing_on_mesh(mesh):  # the gate sees the mesh's device order
+    return fn(x, w)

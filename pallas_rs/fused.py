@@ -12,9 +12,11 @@ import functools
 import jax
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_rs import config as config_lib
 from pallas_rs import kernel as kernel_lib
+from pallas_rs import platform
 from pallas_rs import schedule
 from pallas_rs import transport as transport_lib
 
@@ -77,25 +79,57 @@ def gpu_num_sms() -> int | None:
   return getattr(dev, "core_count", None) if dev.platform == "gpu" else None
 
 
-def check_mesh(axis_name) -> None:
-  """Inside shard_map: raises NotImplementedError unless this is one process and `axis_name`
-  (a name or a tuple of names) covers the mesh's only non-trivial axis. Peers are addressed by a
-  scalar mesh index (NVLinkTransport), which is only right on a 1-D mesh; multi-axis meshes are
-  unverified on hardware (docs/design.md section 7)."""
+def check_mesh(axis_name) -> str:
+  """Inside shard_map: the mesh axis the kernel reduces over, or NotImplementedError saying why
+  the fused kernel cannot run on this mesh.
+
+  Supported (docs/design.md section 4): one process; every mesh axis manual in the enclosing
+  shard_map (Mosaic GPU fills the coordinates of the axes the kernel does not reduce over with
+  the caller's own, so peers stay in the caller's group: `NVLinkTransport._device_id`);
+  `axis_name` one axis name, or a tuple of names of which at most one has size > 1; at most
+  MAX_DEVICES devices in the mesh; device ids in row-major order (checked here where the
+  concrete mesh is visible at trace time, else by Mosaic GPU when the kernel is lowered).
+  """
   if jax.process_count() > 1:
-    # Without NVSHMEM, Mosaic GPU's multi-process mode maps every kernel buffer as NVLink
-    # multicast memory, which must never be used here (docs/design.md section 7).
     raise NotImplementedError(
-        f"fused kernel runs only with one process driving all local GPUs; "
-        f"process_count={jax.process_count()}")
+        f"{platform.MULTI_PROCESS_REASON}; process_count={jax.process_count()}")
   mesh = jax.sharding.get_abstract_mesh()
-  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
   sizes = dict(mesh.shape)
-  others = {name: size for name, size in sizes.items() if name not in names and size > 1}
-  if others or sum(sizes.get(name, 1) > 1 for name in names) > 1:
+  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  # (An axis name the mesh lacks counts as size 1: the API has validated it already.)
+  reduced = {name: sizes[name] for name in names if sizes.get(name, 1) > 1}
+  if len(reduced) > 1:
     raise NotImplementedError(
-        f"fused kernel needs {axis_name=} to be the only mesh axis of size > 1; the mesh is "
-        f"{dict(mesh.shape)}")
+        f"fused kernel reduces over one mesh axis; {axis_name=} spans {len(reduced)} axes of "
+        f"size > 1 ({reduced}) of the mesh {sizes}; use one axis of that size, or "
+        f"implementation='xla'")
+  # A non-manual axis has no axis_index inside the kernel, so the device id of a peer (mesh
+  # coordinates on every axis) cannot be formed.
+  auto = [name for name in sizes if name not in mesh.manual_axes]
+  if auto:
+    raise NotImplementedError(
+        f"fused kernel needs every mesh axis manual in the enclosing shard_map; {auto} of the "
+        f"mesh {sizes} are not (call it in a shard_map over all mesh axes)")
+  if mesh.size > MAX_DEVICES:
+    # XLA's collective metadata holds the peers of at most 8 local devices.
+    raise NotImplementedError(
+        f"fused kernel runs on meshes of at most {MAX_DEVICES} devices (one node), got the "
+        f"mesh {sizes} ({mesh.size} devices)")
+  concrete = platform.traced_mesh(mesh)
+  if concrete is not None and not np.array_equal(concrete.device_ids.ravel(),
+                                                 np.arange(concrete.size)):
+    raise NotImplementedError(
+        f"fused kernel needs the mesh's device ids in row-major order (Mosaic GPU: "
+        f"mesh.device_ids.ravel() == arange({concrete.size})); the mesh {sizes} has device ids "
+        f"{concrete.device_ids.ravel().tolist()}")
+  return next(iter(reduced), names[0])
+
+
+def _reduced_axis(axis_name) -> str:
+  """`check_mesh`'s axis without its checks (a CheckedConfig has passed them)."""
+  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  sizes = dict(jax.sharding.get_abstract_mesh().shape)
+  return next((name for name in names if sizes.get(name, 1) > 1), names[0])
 
 
 def _compiler_params():
@@ -149,18 +183,24 @@ def fused_matmul_reduce_scatter(x, w, *, axis_name, num_devices: int,
   """Inside shard_map over `axis_name` (size num_devices): x [m, k_shard], w [k_shard, n]
   -> [m // num_devices, n] (row chunk `axis_index` of sum over devices of x @ w).
 
-  `ablate` (kernel.ABLATIONS: "comm", "reduce", "gemm"): leave a stage out, for timing only; the result is then wrong
+  The mesh may have other axes, all manual in the shard_map: the sum runs over the devices
+  that share this device's coordinates on them (its group); `check_mesh` says what runs.
+
+  `ablate` (kernel.ABLATIONS: "comm", "reduce", "gemm"): leave a stage out, for timing only;
+  the result is then wrong
   (kernel.kernel_body says what each leaves out)."""
   m, k_shard = x.shape
   n = w.shape[1]
-  if not isinstance(config, CheckedConfig):
-    check_mesh(axis_name)
+  if isinstance(config, CheckedConfig):
+    axis = _reduced_axis(axis_name)
+  else:
+    axis = check_mesh(axis_name)
   config = _checked(config, m=m, k_shard=k_shard, n=n, dtype=x.dtype, num_devices=num_devices)
   chunk = m // num_devices
   out_type = (jax.ShapeDtypeStruct((chunk, n), x.dtype),)
   if num_devices > 1:
     out_type += _exchange_buffers((), num_devices, chunk, n, config)
-  f = _build(transport_lib.NVLinkTransport(axis_name, num_devices), out_type=out_type,
+  f = _build(transport_lib.NVLinkTransport(axis, num_devices), out_type=out_type,
              config=config, num_devices=num_devices, name="pallas_rs_matmul_rs",
              skip=_skip(ablate))
   return f(x, w)[0]

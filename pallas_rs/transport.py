@@ -43,18 +43,25 @@ class NVLinkTransport:
     del rank
     return x, w, out, recv, stage
 
-  def _peer(self, rank, offset: int):
-    return lax.rem(rank + offset, self.num_devices)
+  def _device_id(self, rank, offset: int):
+    """The device id of the peer `offset` steps along `axis_name`, for every remote call.
+
+    Mesh coordinates naming that axis only: Mosaic GPU fills every other mesh axis with the
+    caller's own coordinate, so on a multi-axis mesh the peers stay in the caller's group (a
+    scalar id is a position on the whole mesh and does not lower on an N-D mesh). On a 1-D mesh
+    it lowers to the same module as the scalar id did (tests/test_mesh2d.py).
+    """
+    return {self.axis_name: lax.rem(rank + offset, self.num_devices)}
 
   def peer_recv(self, recv, rank, offset: int):
-    return plgpu.remote_ref(recv, self._peer(rank, offset))
+    return plgpu.remote_ref(recv, self._device_id(rank, offset))
 
   def semaphores(self, shape: tuple[int, int]):
     return pl.get_global(plgpu.SemaphoreType.REGULAR((*shape, NUM_COMPUTE_WGS)))
 
   def signal(self, sems, rank, offset: int, idx, inc=1):
     """Adds `inc` to entry `idx` of the peer at `offset` (after this warpgroup's writes)."""
-    pl.semaphore_signal(sems.at[idx], inc, device_id=self._peer(rank, offset))
+    pl.semaphore_signal(sems.at[idx], inc, device_id=self._device_id(rank, offset))
 
   def signal_local(self, sems, rank, idx):
     del rank

@@ -87,6 +87,32 @@ def _forward(x, w, axis_name, scatter_dimension, implementation, config):
   raise AssertionError(f"unresolved {implementation=}")  # gate.py resolves it.
 
 
+def _varying_axes(a) -> frozenset:
+  """The manual mesh axes `a` varies over (its type's `mat.varying` in jax 0.10.x, `vma` in
+  others)."""
+  aval = jax.typeof(a)
+  mat = getattr(aval, "mat", None)
+  return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+
+
+def match_vma(x, w):
+  """`x` and `w` cast to vary over the same manual mesh axes (under shard_map's check_vma; a
+  no-op without it). On a multi-axis mesh x usually varies over a data axis across which w is
+  replicated: the rule's dw = x.T @ dy_full varies over that axis, and must have w's type. With
+  w cast to varying first, autodiff transposes the cast into a psum over the data axis: dw is
+  summed across the data groups, as the gradient of a replicated weight must be."""
+  vma_x, vma_w = _varying_axes(x), _varying_axes(w)
+  # lax.pcast(..., to="varying") in jax 0.10.x; lax.pvary in some other versions.
+  pcast = getattr(lax, "pcast", None)
+  cast = ((lambda a, axes: pcast(a, axes, to="varying")) if pcast is not None
+          else lambda a, axes: lax.pvary(a, axes))
+  if vma_w - vma_x:
+    x = cast(x, tuple(sorted(vma_w - vma_x)))
+  if vma_x - vma_w:
+    w = cast(w, tuple(sorted(vma_x - vma_w)))
+  return x, w
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
 def matmul_reduce_scatter(x, w, axis_name, scatter_dimension, implementation,
                           config):

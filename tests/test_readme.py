@@ -27,6 +27,19 @@ def test_usage_runs_as_written(tmp_path):
   assert res.stdout.split("\n")[-2] == "(1024, 512) (1024, 4096) (4096, 512)", res.stdout
 
 
+def test_multi_axis_example_runs_as_written(tmp_path):
+  text = (REPO / "README.md").read_text()
+  (flags,) = re.findall(r"export XLA_FLAGS=(\S+)", _section(text, "Usage"))
+  (code,) = re.findall(r"```python\n(.*?)```", _section(text, "Multi-axis meshes"), re.S)
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  env["XLA_FLAGS"] = flags
+  env["PYTHONPATH"] = str(REPO)
+  res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       cwd=tmp_path, timeout=300, check=False)
+  assert res.returncode == 0, res.stderr[-3000:]
+  assert res.stdout.split("\n")[-2] == "(1024, 256) (1024, 2048) (2048, 256) True", res.stdout
+
+
 def test_every_design_citation_resolves():
   design = (REPO / "docs" / "design.md").read_text()
   sections = set(re.findall(r"^## (\d+)\. ", design, re.M))
