@@ -291,6 +291,51 @@ def test_row_parallel_validation(x_shape, w_shape, axis_name, match):
 # --- first-hour errors --------------------------------------------------------
 
 
+@pytest.mark.parametrize("x_shape,w_shape,match", [
+    ((0, _KS), (_KS, _N), r"zero-size operands are not supported \(m=0\): got "
+     r"x.shape=\(0, 16\) w.shape=\(16, 24\)"),
+    ((_M, 0), (0, _N), r"zero-size operands are not supported \(k_shard=0\): got "
+     r"x.shape=\(8, 0\) w.shape=\(0, 24\)"),
+    ((_M, _KS), (_KS, 0), r"zero-size operands are not supported \(n=0\): got "
+     r"x.shape=\(8, 16\) w.shape=\(16, 0\)"),
+], ids=["m0", "k0", "n0"])
+def test_zero_size_operands(x_shape, w_shape, match):
+  mesh = helpers.make_mesh(4)
+  x, w = jnp.zeros(x_shape, jnp.bfloat16), jnp.zeros(w_shape, jnp.bfloat16)
+  for impl in ("auto", "xla", "fused"):
+    body = functools.partial(pallas_rs.matmul_reduce_scatter, axis_name=AXIS,
+                             implementation=impl)
+    with pytest.raises(ValueError, match=match):
+      jax.eval_shape(jax.shard_map(body, mesh=mesh, in_specs=jax.P(), out_specs=jax.P(),
+                                   check_vma=False), x, w)
+  # Global arrays: the same dimensions of x [m, k] and w [k, n].
+  with pytest.raises(ValueError, match=match.replace("k_shard", "k")):
+    pallas_rs.row_parallel_matmul(x, w, mesh=mesh, axis_name=AXIS)
+
+
+def test_python_lists_are_refused():
+  mesh = helpers.make_mesh(4)
+  x, w = [[1.0] * 16] * 8, [[1.0] * 8] * 16
+  with pytest.raises(ValueError, match=r"^x must be a jax.Array or numpy array, got list"):
+    pallas_rs.row_parallel_matmul(x, w, mesh=mesh, axis_name=AXIS)
+  with pytest.raises(ValueError, match=r"^w must be a jax.Array or numpy array, got list"):
+    pallas_rs.row_parallel_matmul(np.ones((8, 16), np.float32), w, mesh=mesh, axis_name=AXIS)
+  with pytest.raises(ValueError, match=r"^x must be a jax.Array or numpy array, got list"):
+    pallas_rs.matmul_reduce_scatter(x, w, axis_name=AXIS)
+  with pytest.raises(ValueError, match=r"^lhs must be a jax.Array or numpy array, got list"):
+    pallas_rs.all_gather_matmul(x, w, AXIS)
+  # numpy arrays are accepted.
+  out = pallas_rs.row_parallel_matmul(np.ones((8, 16), np.float32), np.ones((16, 8), np.float32),
+                                      mesh=mesh, axis_name=AXIS)
+  np.testing.assert_array_equal(np.asarray(out), np.full((8, 8), 16.0, np.float32))
+
+
+def test_mesh_none_is_refused():
+  x, w = jnp.zeros((8, 16)), jnp.zeros((16, 8))
+  with pytest.raises(ValueError, match=r"mesh must be a jax.sharding.Mesh.*got mesh=None"):
+    pallas_rs.row_parallel_matmul(x, w, mesh=None, axis_name=AXIS)
+
+
 @pytest.mark.parametrize("config", [{"tile_m": 64}, "tile_m=64", 64])
 def test_config_must_be_a_config(config):
   mesh = helpers.make_mesh(4)
