@@ -1,5 +1,7 @@
 """Forward pass, dispatch and validation of pallas_rs.matmul_reduce_scatter (CPU)."""
 import functools
+import os
+import re
 import zlib
 
 import jax
@@ -114,7 +116,7 @@ def _call_fn(implementation, scatter_dimension=0):
 
 
 @pytest.mark.skipif(platform.on_hopper(), reason="checks the CPU fallback")
-def test_auto_on_cpu_uses_xla_and_logs_once_at_info(monkeypatch):
+def test_auto_on_cpu_uses_xla_and_warns_once(monkeypatch):
   logged = []
   monkeypatch.setattr(platform.logging, "info", lambda *a: logged.append(("i", a)))
   monkeypatch.setattr(platform.logging, "warning", lambda *a: logged.append(("w", a)))
@@ -135,7 +137,30 @@ def test_auto_on_cpu_uses_xla_and_logs_once_at_info(monkeypatch):
   np.testing.assert_array_equal(np.asarray(auto), np.asarray(xla))
   assert len(logged) == 1, logged
   level, args = logged[0]
-  assert level == "i" and "platform='cpu'" in args[1], logged
+  assert level == "w" and "platform='cpu'" in args[1], logged
+
+
+@pytest.mark.skipif(platform.on_hopper(), reason="checks the CPU fallback")
+def test_fallback_reason_is_visible_by_default_once():
+  # A plain script, no logging set up: the reason shows on stderr, once for two calls.
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  code = ("import jax, jax.numpy as jnp, pallas_rs\n"
+          "mesh = jax.make_mesh((2,), ('x',), devices=jax.devices()[:2])\n"
+          "x, w = jnp.ones((128, 32), jnp.bfloat16), jnp.ones((32, 16), jnp.bfloat16)\n"
+          "for m in (64, 128):\n"
+          "  pallas_rs.row_parallel_matmul(x[:m], w, mesh=mesh, axis_name='x')\n")
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=2")
+  res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       check=False, timeout=120, env=env, cwd=helpers.REPO)
+  assert res.returncode == 0, res.stderr[-2000:]
+  lines = [l for l in res.stderr.splitlines() if "pallas_rs: using the XLA path" in l]
+  assert len(lines) == 1 and "platform='cpu'" in lines[0], res.stderr[-2000:]
+  # The README quotes it as it is.
+  readme = " ".join((helpers.REPO / "README.md").read_text().split())
+  (quoted,) = re.findall(r"`(pallas_rs: using the XLA path: [^`]+)`", readme)
+  assert lines[0].endswith(quoted), (lines[0], quoted)
 
 
 def test_choose_implementation_on_cpu():
