@@ -2,6 +2,7 @@
 import copy
 import json
 import os
+import re
 from pathlib import Path
 import subprocess
 import sys
@@ -277,3 +278,31 @@ def test_proxy8_shapes_have_the_d8_k_shard_at_d2():
 def test_proxy8_flag_selects_the_proxies(bench):
   with flagsaver.flagsaver(tags=["proxy8"]):
     assert bench.select_cases("multi_gpu") == list(shapes.select("proxy8"))
+
+
+def test_readme_plot_command_on_the_committed_results(tmp_path):
+  # experiments/README.md's plot command, as written but for --out_dir: every committed JSON is
+  # plotted or skipped with one line (autotune, numerics, probe and check files are other
+  # schemas), and the run succeeds.
+  readme = (REPO / "experiments" / "README.md").read_text()
+  (pattern,) = re.findall(r"plot_results\.py --results='([^']+)'", readme)
+  res = subprocess.run([sys.executable, str(PLOT), f"--results={pattern}",
+                        f"--out_dir={tmp_path}"], capture_output=True, text=True,
+                       timeout=300, check=False, cwd=REPO)
+  assert res.returncode == 0, res.stderr[-3000:]
+  plot = helpers.load_script("plot_results")
+  committed = sorted((REPO / "experiments" / "results").glob("*.json"))
+  assert len(committed) >= 3
+  lines = res.stdout.splitlines()
+  for path in committed:
+    doc = json.loads(path.read_text())
+    rel = str(path.relative_to(REPO))
+    skipped = [l for l in lines if l.startswith(f"skip {rel}: ")]
+    if plot.not_harness_results(doc) is None:
+      assert not skipped, skipped
+      assert any(l.startswith(f"wrote {tmp_path / path.stem}_") for l in lines), rel
+    else:
+      assert len(skipped) == 1, (rel, res.stdout[-3000:])
+  assert lines[-1].startswith("plotted ")
+  assert list(tmp_path.glob("*.png"))
+
