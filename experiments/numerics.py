@@ -74,8 +74,8 @@ _BASELINE_INPUTS = flags.DEFINE_integer("baseline_inputs", 4, "Inputs per --what
 _BUDGET = flags.DEFINE_float("time_budget_s", 0.0,
                              "Skip (and record as skipped) cases started after this many seconds; "
                              "0: no limit.")
-_OUT = flags.DEFINE_string("out", None, "JSON path (default experiments/results/"
-                           "<date>_numerics_<modes>.json); HLO dumps go next to it.")
+_OUT = flags.DEFINE_string("out", None, "JSON path (default experiments/out/"
+                           "<date>_numerics_<modes>.json, git-ignored); HLO dumps go next to it.")
 
 
 # ---------------------------------------------------------------------------
@@ -579,7 +579,7 @@ def _summarise_matches(rows) -> dict:
 
 def default_out(modes) -> Path:
   date = datetime.date.today().isoformat()
-  return bench_env.REPO / "experiments" / "results" / f"{date}_numerics_{'_'.join(modes)}.json"
+  return bench_env.default_out(f"{date}_numerics_{'_'.join(modes)}.json")
 
 
 def print_table(rows) -> None:
