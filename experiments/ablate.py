@@ -26,7 +26,8 @@ _NAMES = flags.DEFINE_list("names", ["llama70b_o_proj_m512", "mixtral8x22b_w2_m2
                            "Seed shape names (pallas_rs.shapes).")
 _NUM_DEVICES = flags.DEFINE_integer("num_devices", 8, "Loopback (one GPU): virtual ranks.")
 _ITERS = flags.DEFINE_integer("iterations", 100, "Timed iterations per variant.")
-_OUT = flags.DEFINE_string("out", "", "JSON output path (default: experiments/results/...).")
+_OUT = flags.DEFINE_string("out", "", "JSON output path; default experiments/out/"
+                           "ablate_<mode>.json (git-ignored).")
 
 VARIANTS = {"fused": (), "no_comm": ("comm",), "no_reduce": ("reduce",),
             "no_comm_no_reduce": ("comm", "reduce")}
@@ -95,8 +96,7 @@ def main(argv):
   for r in rows:
     med = [statistics.median(v) for v in r["times_us"].values()]
     print(f"{r['name']:32} {r['d']:>2} {r['transport']:9} " + " ".join(f"{v:17.1f}" for v in med))
-  out = Path(_OUT.value) if _OUT.value else (
-      bench_env.REPO / "experiments" / "results" / f"ablate_{mode}.json")
+  out = Path(_OUT.value) if _OUT.value else bench_env.default_out(f"ablate_{mode}.json")
   bench_env.write_json(out, bench_env.sanitize(
       dict(environment=bench_env.environment_block(sys.argv), rows=rows)))
   print("wrote", out)

@@ -33,10 +33,10 @@ only if its median beats XLA's (by --margin). Entries are merged into --table
 """
 from __future__ import annotations
 
-import datetime
 import functools
 from pathlib import Path
 import sys
+import time
 from typing import Any, Sequence
 
 from absl import app
@@ -73,7 +73,7 @@ flags.DEFINE_float("max_error_ratio", 1.1, "Fused max rel error allowed, as a "
 flags.DEFINE_string("table", "pallas_rs/data/tuning_table.json", "Tuning table "
                     "to merge the entries into (created if absent; '' = none).")
 flags.DEFINE_string("out", "", "Raw JSON records; default "
-                    "experiments/results/autotune_<mode>_<stamp>.json.")
+                    "experiments/out/autotune_<mode>_<stamp>.json (git-ignored).")
 flags.DEFINE_integer("seed", 0, "PRNG seed of the inputs.")
 flags.DEFINE_enum("op", "matmul_rs", ["matmul_rs", "ag_matmul"], "Which op to tune: the "
                   "fused matmul + reduce-scatter, or the backward's all-gather matmul "
@@ -447,15 +447,16 @@ def main(argv: Sequence[str]) -> int:
     raise app.UsageError(f"autotune needs GPUs, backend is {jax.default_backend()!r}"
                          " (--dry_run lists the candidates on any machine)")
   env = bench_env.environment_block(argv)
-  stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
-  out = Path(FLAGS.out or _REPO / "experiments" / "results" /
-             f"autotune_{FLAGS.mode}_{stamp}.json")
+  out = (Path(FLAGS.out) if FLAGS.out else
+         bench_env.default_out(f"autotune_{FLAGS.mode}_{bench_env.utc_stamp()}.json"))
   if FLAGS.op == "ag_matmul" and FLAGS.mode != "multi_gpu":
     raise app.UsageError("--op=ag_matmul needs --mode=multi_gpu (the kernel needs >= 2 GPUs)")
   tune = {("single_gpu", "matmul_rs"): tune_single_gpu,
           ("multi_gpu", "matmul_rs"): tune_multi_gpu,
           ("multi_gpu", "ag_matmul"): tune_ag_multi_gpu}[FLAGS.mode, FLAGS.op]
   records, entries = [], []
+  print(f"{len(cases)} shape(s); writing {out} after each shape", flush=True)
+  start = time.perf_counter()
   for i, case in enumerate(cases):
     logging.info("[%d/%d] %s", i + 1, len(cases), case.name)
     recs, ents = tune(case, env)
@@ -466,6 +467,9 @@ def main(argv: Sequence[str]) -> int:
                                "flags": FLAGS.flags_into_string(),
                                "records": records, "entries": entries})
     _merge_into_table(FLAGS.table, ents)
+    choices = ", ".join(f"D={e['key']['num_devices']} {e['implementation']}" for e in ents)
+    print(f"[{i + 1}/{len(cases)}] {case.name} ({time.perf_counter() - start:.0f} s): "
+          f"{len(recs)} timed, {choices or 'no entry'}", flush=True)
   print(format_summary(entries))
   print(f"raw records: {out}")
   if FLAGS.table:

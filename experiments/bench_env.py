@@ -28,6 +28,21 @@ MODES = ("auto", "smoke", "single_gpu", "multi_gpu")
 SMOKE_DEVICES = 8
 FORCE_DEVICES_FLAG = "--xla_force_host_platform_device_count"
 NO_CLAIMS = "host_wall_clock: smoke only, no performance claims"
+# Where every script writes when --out names no path: git-ignored, so that smoke and trial runs
+# stay out of the curated results (experiments/results/ is written only by naming a path there
+# with --out) and do not make the next run record git_dirty.
+OUT_DIR = REPO / "experiments" / "out"
+OUT_DIR_NAME = "experiments/out/"
+
+
+def default_out(name: str) -> Path:
+  """OUT_DIR / name: a script's output path when --out is not given."""
+  return OUT_DIR / name
+
+
+def utc_stamp() -> str:
+  """YYYYmmdd-HHMMSS (UTC), for default output names."""
+  return datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
 
 
 # ---------------------------------------------------------------------------

@@ -6,12 +6,12 @@ jax at module level (the main sets XLA_FLAGS before jax is first imported).
 from __future__ import annotations
 
 from collections.abc import Sequence
-import datetime
 from pathlib import Path
 from typing import Any
 
+from bench_env import default_out
 from bench_env import fmt
-from bench_env import REPO
+from bench_env import utc_stamp
 
 SCHEMA_VERSION = 1
 RESOLVED_MODES = ("smoke", "single_gpu", "multi_gpu")
@@ -140,12 +140,9 @@ def validate_results(doc: dict[str, Any]) -> None:
 
 
 def default_out_path(mode: str) -> Path:
-  """experiments/results/<mode>_<stamp>.json; smoke runs go to experiments/results/smoke/
-  (git-ignored), so that they neither mix with the curated GPU results nor make the next run
-  record git_dirty."""
-  stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
-  results = REPO / "experiments" / "results"
-  return (results / "smoke" if mode == "smoke" else results) / f"{mode}_{stamp}.json"
+  """experiments/out/<mode>_<UTC stamp>.json (git-ignored, `bench_env.default_out`): any mode,
+  smoke or GPU; curated results go to experiments/results/ only through --out."""
+  return default_out(f"{mode}_{utc_stamp()}.json")
 
 
 LEGEND = """\
@@ -155,6 +152,26 @@ the op (fused = the Pallas kernel, xla, auto) and xla_windowed_einsum (XLA's col
 E = (T_gemm + T_comm - T_fused) / min(T_gemm, T_comm): 0 = no overlap, 1 = the fused time reached
 max(T_gemm, T_comm); speedup = T_seq / T_fused. max_rel_err is normwise against a float64 numpy
 reference; ratio = that error / the unfused path's (the seed rule: <= 1.1)."""
+
+
+def progress_line(done: int, total: int, records: Sequence[dict[str, Any]],
+                  elapsed_s: float) -> str:
+  """The line printed as each shape finishes: its records' medians (us) or statuses."""
+  names = list(dict.fromkeys(r["shape"]["name"] for r in records))
+  ds = {r["shape"]["num_devices"] for r in records}
+  parts = []
+  for r in records:
+    label = r["implementation"] + (f"@D{r['shape']['num_devices']}" if len(ds) > 1 else "")
+    if r["status"] == "ok":
+      chk = r["check"] or {}
+      value = fmt(r["timing"]["stats"]["median"], ".1f") + (
+          "" if chk.get("passed", True) else " CHECK FAILED")
+    else:
+      value = r["status"].split(":")[0]
+    parts.append(f"{label} {value}")
+  where = f" D={ds.pop()}" if len(ds) == 1 else ""
+  return (f"[{done}/{total}] {', '.join(names) or '-'}{where} ({elapsed_s:.0f} s): median us "
+          + ", ".join(parts))
 
 
 def format_table(records: Sequence[dict[str, Any]]) -> str:

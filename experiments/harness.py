@@ -408,13 +408,23 @@ def _peer_candidate(mesh, args, check_args, check, flops, rs_bytes) -> Candidate
   return Candidate(PEER, build, check, flops, rs_bytes, role="judged", hlo_probe=probe)
 
 
+# Called after each shape with that shape's records (progress lines, the JSON rewritten as the
+# run goes, so that a run cut short keeps what it measured).
+OnShape = Callable[[list[dict[str, Any]]], None]
+
+
 def sweep_sharded(mode: str, cases, implementations: Sequence[str], *, devices,
-                  xla_peer: bool, settings: Settings) -> list[dict[str, Any]]:
-  """`sharded_records` of every case (each at its own D, see `cases_at`)."""
+                  xla_peer: bool, settings: Settings,
+                  on_shape: OnShape | None = None) -> list[dict[str, Any]]:
+  """`sharded_records` of every case (each at its own D, see `cases_at`); `on_shape` gets each
+  case's records as soon as they are done."""
   records = []
   for case in cases:
-    records += sharded_records(mode, case, implementations, devices=devices,
-                               xla_peer=xla_peer, settings=settings)
+    recs = sharded_records(mode, case, implementations, devices=devices, xla_peer=xla_peer,
+                           settings=settings)
+    records += recs
+    if on_shape is not None:
+      on_shape(recs)
   return records
 
 
@@ -513,21 +523,26 @@ def loopback_records(mode: str, case, settings: Settings) -> list[dict[str, Any]
   return recs
 
 
-def sweep_single_gpu(cases, *, loopback_devices: Sequence[int],
-                     settings: Settings) -> list[dict[str, Any]]:
+def sweep_single_gpu(cases, *, loopback_devices: Sequence[int], settings: Settings,
+                     on_shape: OnShape | None = None) -> list[dict[str, Any]]:
   """Per case: `local_records` (once per distinct per-device GEMM), then `loopback_records`
-  at each D of `loopback_devices` that divides m and k."""
+  at each D of `loopback_devices` that divides m and k; `on_shape` gets each case's records as
+  soon as they are done."""
   mode = "single_gpu"
   records = []
   seen_local = set()
   for case in cases:
+    recs = []
     if (case.m, case.k_shard, case.n, case.dtype) not in seen_local:
       seen_local.add((case.m, case.k_shard, case.n, case.dtype))
-      records += local_records(mode, case, settings)
+      recs += local_records(mode, case, settings)
     for d in loopback_devices:
       lcase = case if d == case.num_devices else case.with_num_devices(d)
       if lcase.k % d or lcase.m % d:
         logging.warning("%s: skip loopback D=%d (m, k not divisible)", case.name, d)
         continue
-      records += loopback_records(mode, lcase, settings)
+      recs += loopback_records(mode, lcase, settings)
+    records += recs
+    if on_shape is not None:
+      on_shape(recs)
   return records

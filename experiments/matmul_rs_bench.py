@@ -26,8 +26,8 @@ lands, or on an unsupported platform) is recorded as "unavailable: <reason>",
 never timed and never faked. Any other exception stops the run unless
 `--keep_going` (then "failed: <reason>" and a non-zero exit code).
 
-Output: a JSON file (`--out`, default experiments/results/<mode>_<date>.json)
-with an environment block and one record per (shape, implementation, mode);
+Output: a JSON file (`--out`; default experiments/out/<mode>_<UTC stamp>.json, git-ignored,
+smoke runs included) with an environment block and one record per (shape, implementation, mode);
 see `bench_records.validate_record`. A short table is printed at the end.
 
 This file is flags -> arguments -> `harness` (the sweeps, as functions) -> the
@@ -65,6 +65,7 @@ from bench_env import SMOKE_DEVICES
 from bench_records import default_out_path
 from bench_records import format_table
 from bench_records import LEGEND
+from bench_records import progress_line
 from bench_records import SCHEMA_VERSION
 from bench_records import TIMERS
 from bench_records import validate_record
@@ -98,7 +99,8 @@ flags.DEFINE_integer("warmup", 2, "Untimed calls after compilation.")
 flags.DEFINE_enum("timer", "auto", TIMERS, "auto: cupti on GPU, host wall "
                   "clock on CPU.")
 flags.DEFINE_string("out", "", "JSON output path; default "
-                    "experiments/results/<mode>_<UTC date>.json.")
+                    "experiments/out/<mode>_<UTC stamp>.json (git-ignored; e.g. "
+                    "experiments/out/smoke_20261130-120000.json for --mode=smoke).")
 flags.DEFINE_bool("check", True, "Check every timed output on fresh inputs.")
 flags.DEFINE_float("max_error_ratio", 1.1, "Allowed max-rel-error ratio to the "
                    "unfused path.")
@@ -187,21 +189,16 @@ def main(argv: Sequence[str]) -> int:
   settings = settings_from_flags(timer)
   logging.info("mode=%s timer=%s shapes=%d implementations=%s", mode, timer, len(cases),
                implementations)
-  start = time.perf_counter()
-  if mode == "single_gpu":
-    records = harness.sweep_single_gpu(
-        cases, loopback_devices=sorted({8, FLAGS.num_devices or 8}), settings=settings)
-  else:
-    devices = jax.devices()
+  devices = jax.devices()
+  if mode != "single_gpu":
     try:
       cases = harness.cases_at(cases, len(devices), FLAGS.num_devices, devices[0].platform)
     except ValueError as e:
       raise app.UsageError(str(e)) from e
-    records = harness.sweep_sharded(mode, cases, implementations, devices=devices,
-                                    xla_peer=FLAGS.xla_peer, settings=settings)
-  records = [sanitize(r) for r in records]
-  for r in records:
-    validate_record(r)
+  out = Path(FLAGS.out) if FLAGS.out else default_out_path(mode)
+  print(f"{len(cases)} shape(s), mode={mode}; writing {out} after each shape", flush=True)
+  start = time.perf_counter()
+  records = []
   doc = {
       "schema_version": SCHEMA_VERSION,
       "environment": bench_env.environment_block(sys.argv),
@@ -209,11 +206,34 @@ def main(argv: Sequence[str]) -> int:
       "mode": mode,
       "timer": timer,
       "performance_claims": timer == "cupti",
-      "wall_s": time.perf_counter() - start,
+      "wall_s": 0.0,
+      "complete": False,  # True once every shape ran: a run cut short keeps its shapes.
       "records": records,
   }
+
+  def on_shape(shape_records):
+    """Progress line, then the JSON rewritten with every record so far."""
+    shape_records = [sanitize(r) for r in shape_records]
+    for r in shape_records:
+      validate_record(r)
+    records.extend(shape_records)
+    doc["wall_s"] = time.perf_counter() - start
+    validate_results(doc)
+    bench_env.write_json(out, doc, allow_nan=False)
+    print(progress_line(on_shape.done + 1, len(cases), shape_records, doc["wall_s"]),
+          flush=True)
+    on_shape.done += 1
+
+  on_shape.done = 0
+  if mode == "single_gpu":
+    harness.sweep_single_gpu(cases, loopback_devices=sorted({8, FLAGS.num_devices or 8}),
+                             settings=settings, on_shape=on_shape)
+  else:
+    harness.sweep_sharded(mode, cases, implementations, devices=devices,
+                          xla_peer=FLAGS.xla_peer, settings=settings, on_shape=on_shape)
+  doc["wall_s"] = time.perf_counter() - start
+  doc["complete"] = True
   validate_results(doc)
-  out = Path(FLAGS.out) if FLAGS.out else default_out_path(mode)
   bench_env.write_json(out, doc, allow_nan=False)
   print(format_table(records))
   print(LEGEND)

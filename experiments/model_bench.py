@@ -114,8 +114,8 @@ flags.DEFINE_enum("timer", "auto", ("auto", "cupti", "host_wall_clock"),
                   "auto: cupti on GPU, host wall clock on CPU.")
 flags.DEFINE_enum("attention", "xla", ("xla", "cudnn"), "jax.nn."
                   "dot_product_attention implementation (cudnn: GPU only).")
-flags.DEFINE_string("out", "", "JSON output path; default experiments/results/"
-                    "model_<mode>_<UTC date>.json.")
+flags.DEFINE_string("out", "", "JSON output path; default experiments/out/"
+                    "model_<mode>_<UTC date>.json (git-ignored).")
 flags.DEFINE_integer("seed", 0, "PRNG seed.")
 flags.DEFINE_bool("keep_going", False, "Record unexpected exceptions as "
                   "'failed: ...' and continue (exit code 1).")
@@ -340,8 +340,8 @@ def main(argv: Sequence[str]) -> int:
              "iterations", "warmup", "timer", "attention", "seed", "per_layer")},
          "records": records}
   out = Path(FLAGS.out) if FLAGS.out else (
-      _HERE / "results" / f"model_{mode}_"
-      f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}.json")
+      bench_env.default_out(f"model_{mode}_"
+                            f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}.json"))
   bench_env.write_json(out, bench_env.sanitize(doc))
   print(format_table(records))
   if mode == "smoke":

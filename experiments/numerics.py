@@ -112,8 +112,8 @@ _BUDGET = flags.DEFINE_float("time_budget_s", 0.0,
                              "Skip (and record as skipped) cases started after this many seconds; "
                              "0: no limit.")
 _OUT = flags.DEFINE_string("out", None, "JSON path, its name containing 'numerics' (default "
-                           "experiments/results/<date>_numerics_<run modes>.json); HLO dumps go "
-                           "next to it.")
+                           "experiments/out/<date>_numerics_<run modes>.json, git-ignored); HLO "
+                           "dumps go next to it.")
 
 
 # ---------------------------------------------------------------------------
@@ -730,8 +730,7 @@ def _summarise_matches(rows) -> dict:
 
 def default_out(run_modes) -> Path:
   date = datetime.date.today().isoformat()
-  return (bench_env.REPO / "experiments" / "results" /
-          f"{date}_numerics_{'_'.join(run_modes)}.json")
+  return bench_env.default_out(f"{date}_numerics_{'_'.join(run_modes)}.json")
 
 
 def print_rules(rule: dict) -> None:

@@ -38,7 +38,8 @@ _VARIANTS = flags.DEFINE_list(
 _ITERS = flags.DEFINE_integer("iterations", 40, "Timed iterations per variant.")
 _SCALE = flags.DEFINE_integer("scale", 1, "Divide the check cases' n and k_shard by this "
                               "(plumbing tests on CPU).")
-_OUT = flags.DEFINE_string("out", "", "JSON output path.")
+_OUT = flags.DEFINE_string("out", "", "JSON output path; default experiments/out/"
+                           "overlap_probe.json (git-ignored).")
 
 
 def variant_config(base, name: str):
@@ -82,8 +83,7 @@ def main(argv):
   gpus = jax.devices()
   d_nv = len(gpus)
   record = dict(environment=bench_env.environment_block(sys.argv), checks=[], rows=[])
-  out_path = Path(_OUT.value) if _OUT.value else (
-      bench_env.REPO / "experiments" / "results" / "overlap_probe.json")
+  out_path = Path(_OUT.value) if _OUT.value else bench_env.default_out("overlap_probe.json")
 
   def save():
     bench_env.write_json(out_path, bench_env.sanitize(record))

@@ -12,6 +12,8 @@ Per results file `<stem>.json`, writes to --out_dir:
     <stem>_local_ratio.png T_fused / T_xla of the D = 1 GEMM per shape.
     <stem>_loopback.png    loopback GEMM-only, reference and fused times.
 Plots of host-wall-clock (smoke) results are titled "NO PERFORMANCE CLAIMS".
+Files that are not harness results (autotune, numerics, probe, check JSONs: other schemas) are
+skipped with one printed line each.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top,wrong-imp
 import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from bench_records import BASELINES  # pylint: disable=g-import-not-at-top,wrong-import-position
+from bench_records import RESOLVED_MODES  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("results", "experiments/results/*.json",
@@ -153,8 +156,30 @@ def plot_single_gpu(doc, stem: str, out_dir: Path) -> list[Path]:
   return written
 
 
+def not_harness_results(doc) -> str | None:
+  """None if `doc` is a matmul_rs_bench results file (what this script plots), else why not."""
+  if not isinstance(doc, dict):
+    return f"a JSON {type(doc).__name__}, not an object"
+  if doc.get("mode") not in RESOLVED_MODES or not isinstance(doc.get("records"), list):
+    return f"no harness 'mode' and 'records' (top-level keys: {', '.join(list(doc)[:6])})"
+  for r in doc["records"]:
+    if not (isinstance(r, dict) and isinstance(r.get("shape"), dict)
+            and "name" in r["shape"] and "implementation" in r):
+      return "a record without shape.name and implementation"
+  return None
+
+
 def plot_file(path: Path, out_dir: Path) -> list[Path]:
-  doc = json.loads(path.read_text())
+  """The PNGs of one harness results file; [] (with a printed line) for any other JSON."""
+  try:
+    doc = json.loads(path.read_text())
+  except (OSError, ValueError) as e:
+    print(f"skip {path}: not readable as JSON ({type(e).__name__}: {e})")
+    return []
+  why = not_harness_results(doc)
+  if why is not None:
+    print(f"skip {path}: not a matmul_rs_bench results file ({why})")
+    return []
   if doc.get("mode") == "single_gpu":
     return plot_single_gpu(doc, path.stem, out_dir)
   return plot_sharded(doc, path.stem, out_dir)
@@ -168,10 +193,14 @@ def main(argv: Sequence[str]) -> None:
     raise app.UsageError(f"no results match --results={FLAGS.results!r}")
   out_dir = Path(FLAGS.out_dir)
   os.makedirs(out_dir, exist_ok=True)
+  plotted = 0
   for p in paths:
-    for written in plot_file(Path(p), out_dir):
+    written_files = plot_file(Path(p), out_dir)
+    plotted += bool(written_files)
+    for written in written_files:
       logging.info("wrote %s", written)
       print(f"wrote {written}")
+  print(f"plotted {plotted} of {len(paths)} file(s) into {out_dir}")
 
 
 if __name__ == "__main__":

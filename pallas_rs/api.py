@@ -17,6 +17,7 @@ from jax import lax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+import numpy as np
 
 from pallas_rs import gate
 from pallas_rs import platform
@@ -52,6 +53,29 @@ def _check_floating(dtype, what: str) -> None:
                      f"inputs to float32 or bfloat16, got {dtype=}")
 
 
+def _check_operands(a, b, names=("x", "w"), dims=("m", "k_shard", "n")) -> None:
+  """Arrays (not lists), rank 2, no dimension of size 0: else a ValueError naming the argument
+  and the shapes (before jax, XLA or the kernel fail in their own terms).
+
+  Args:
+    a, b: the operands ([rows, contraction] and [contraction, columns]).
+    names: their argument names.
+    dims: the names of a's rows, the contraction and b's columns.
+  """
+  for name, arg in zip(names, (a, b)):
+    if not isinstance(arg, (jax.Array, np.ndarray)):
+      raise ValueError(f"{name} must be a jax.Array or numpy array, got {type(arg).__name__}; "
+                       f"convert it first, e.g. jnp.asarray({name}, jnp.bfloat16)")
+  (a_name, b_name), shapes = names, f"{names[0]}.shape={a.shape} {names[1]}.shape={b.shape}"
+  if a.ndim != 2 or b.ndim != 2:
+    raise ValueError(f"{a_name} and {b_name} must be rank 2 ([{dims[0]}, {dims[1]}] and "
+                     f"[{dims[1]}, {dims[2]}]), got {shapes}")
+  sizes = (a.shape[0], min(a.shape[1], b.shape[0]), b.shape[1])
+  empty = [f"{d}=0" for d, size in zip(dims, sizes) if size == 0]
+  if empty:
+    raise ValueError(f"zero-size operands are not supported ({', '.join(empty)}): got {shapes}")
+
+
 def _axis_size(axis_name, fn_name: str) -> int:
   try:
     return lax.axis_size(axis_name)
@@ -66,9 +90,7 @@ def _validate(x, w, axis_name, scatter_dimension, implementation, config):
   gate.check_implementation(implementation)
   _check_config(config)
   scatter_dimension = _normalize_scatter_dimension(scatter_dimension)
-  if x.ndim != 2 or w.ndim != 2:
-    raise ValueError(f"x and w must be rank 2 ([m, k_shard] and [k_shard, n]), "
-                     f"got {x.shape=} {w.shape=}")
+  _check_operands(x, w)
   if x.dtype != w.dtype:
     raise ValueError(f"x and w must have the same dtype, got {x.dtype=} "
                      f"{w.dtype=}")
@@ -126,7 +148,6 @@ def matmul_reduce_scatter(x: jax.Array, w: jax.Array, *, axis_name,
     NotImplementedError: implementation="fused" for a legal call the kernel
       does not support (e.g. scatter_dimension=1, or a GPU that is not Hopper).
   """
-  x, w = jnp.asarray(x), jnp.asarray(w)
   num_devices, scatter_dimension = _validate(x, w, axis_name, scatter_dimension,
                                              implementation, config)
   impl, config, reason = gate.resolve(
@@ -135,9 +156,8 @@ def matmul_reduce_scatter(x: jax.Array, w: jax.Array, *, axis_name,
       implementation=implementation, config=config, axis_name=axis_name)
   if reason is not None:
     platform.log_fallback_once(reason)
-  x, w = vjp.match_vma(x, w)
-  return vjp.matmul_reduce_scatter(x, w, axis_name, scatter_dimension, impl,
-                                   config)
+  x, w = vjp.match_vma(jnp.asarray(x), jnp.asarray(w))
+  return vjp.matmul_reduce_scatter(x, w, axis_name, scatter_dimension, impl, config)
 
 
 def all_gather_matmul(lhs: jax.Array, rhs: jax.Array, axis_name, *,
@@ -170,10 +190,8 @@ def all_gather_matmul(lhs: jax.Array, rhs: jax.Array, axis_name, *,
     ValueError: bad ranks or shapes, unknown implementation or axis.
     NotImplementedError: implementation="fused" where the kernel does not apply.
   """
+  _check_operands(lhs, rhs, ("lhs", "rhs"), ("m_shard", "k", "n"))
   out_dtype = jnp.dtype(out_dtype or lhs.dtype)
-  if lhs.ndim != 2 or rhs.ndim != 2:
-    raise ValueError(f"lhs and rhs must be rank 2, got {lhs.shape=} "
-                     f"{rhs.shape=}")
   _check_floating(lhs.dtype, "lhs")
   num_devices = _axis_size(axis_name, "all_gather_matmul")
   k = lhs.shape[1] * (num_devices if gather_dimension == 1 else 1)
@@ -240,19 +258,19 @@ def row_parallel_matmul(x: jax.Array, w: jax.Array, *, mesh: jax.sharding.Mesh,
     ValueError: as `matmul_reduce_scatter`, and for an axis not in the mesh or
       k not divisible by D.
   """
+  if not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
+    raise ValueError(f"mesh must be a jax.sharding.Mesh, e.g. jax.make_mesh((D,), "
+                     f"({axis_name!r},)), got {mesh=}")
   names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
   missing = [name for name in names if name not in mesh.axis_names]
   if missing or not names:
     raise ValueError(f"{axis_name=} is not an axis of the mesh "
                      f"({mesh.axis_names=}; a tuple of its axes is also accepted)")
-  if jnp.ndim(x) != 2 or jnp.ndim(w) != 2:
-    raise ValueError(f"x and w must be rank 2 ([m, k] and [k, n]), got "
-                     f"{jnp.shape(x)=} {jnp.shape(w)=}")
+  _check_operands(x, w, dims=("m", "k", "n"))
   num_devices = math.prod(mesh.shape[name] for name in names)
-  k = jnp.shape(x)[1]
-  if k != jnp.shape(w)[0]:
-    raise ValueError(f"contraction dimensions differ: {jnp.shape(x)=} "
-                     f"{jnp.shape(w)=}")
+  k = x.shape[1]
+  if k != w.shape[0]:
+    raise ValueError(f"contraction dimensions differ: {x.shape=} {w.shape=}")
   if k % num_devices:
     raise ValueError(f"{k=} must be divisible by the size of {axis_name=} "
                      f"({num_devices=})")

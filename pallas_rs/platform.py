@@ -36,15 +36,16 @@ def reset_fallback_log() -> None:
 
 
 def log_fallback_once(reason: str) -> None:
-  """Logs "using the XLA path: <reason>" the first time `reason` is seen."""
+  """Logs the WARNING "pallas_rs: using the XLA path: <reason>" the first time `reason` is seen.
+
+  A WARNING on every platform, so that it shows by default (absl's logger, which Python's
+  logging prints to stderr at WARNING and above), and once per distinct reason and process,
+  so that it does not repeat per trace.
+  """
   if reason in _logged_fallback_reasons:
     return
   _logged_fallback_reasons.add(reason)
-  # On a GPU the user may have expected the fused kernel: say so loudly.
-  if jax.devices()[0].platform == "gpu":
-    logging.warning("pallas_rs: using the XLA path: %s", reason)
-  else:
-    logging.info("pallas_rs: using the XLA path: %s", reason)
+  logging.warning("pallas_rs: using the XLA path: %s", reason)
 
 
 def on_hopper() -> bool:

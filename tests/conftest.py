@@ -1,4 +1,10 @@
-"""pytest setup: 8 forced host devices, and skips for the gpu/multigpu markers.
+"""pytest setup: 8 forced host devices, skips for the gpu/multigpu markers, the slow layer.
+
+Tests marked `slow` (the CUDA lowering of every seed shape at D = 8 and of every tuning-table
+config, the experiment scripts' end-to-end runs, the larger-D numerics sweeps) are deselected
+unless `--runslow` or PALLAS_RS_RUNSLOW=1 (or `-m` names the marker): `python -m pytest -q tests`
+stays a few minutes on a 2-core machine; `python -m pytest -q tests -m slow` runs the slow layer
+alone, `--runslow` everything; CI (.ci/run) runs both layers.
 
 XLA_FLAGS must be set before jax is first imported, hence at the top of the
 conftest (pytest imports it before any test module).
@@ -14,8 +20,34 @@ import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
 import helpers  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
+SLOW_ENV = "PALLAS_RS_RUNSLOW"
+
+
+def pytest_addoption(parser):
+  parser.addoption("--runslow", action="store_true", default=False,
+                   help="also run the tests marked slow (deselected by default; CI runs them; "
+                   f"or set {SLOW_ENV}=1)")
+
+
+def _run_slow(config) -> bool:
+  """Whether the slow tests stay selected: --runslow, PALLAS_RS_RUNSLOW=1, or a -m expression
+  that names the marker (`-m slow`: the slow layer alone; `-m "not slow"`)."""
+  return (config.getoption("--runslow") or os.environ.get(SLOW_ENV, "") not in ("", "0")
+          or "slow" in (config.getoption("markexpr", "") or ""))
+
+
+def pytest_report_header(config):
+  if _run_slow(config):
+    return "pallas_rs: slow tests included"
+  return "pallas_rs: slow tests deselected (--runslow to include them)"
+
+
 def pytest_collection_modifyitems(config, items):
-  del config
+  if not _run_slow(config):
+    slow = [item for item in items if item.get_closest_marker("slow") is not None]
+    if slow:
+      config.hook.pytest_deselected(items=slow)
+      items[:] = [item for item in items if item.get_closest_marker("slow") is None]
   num_hopper = len(helpers.hopper_devices())
   skip_gpu = pytest.mark.skip(reason="needs a Hopper GPU (sm_90); none found")
   skip_multigpu = pytest.mark.skip(

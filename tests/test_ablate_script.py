@@ -2,6 +2,8 @@
 (the fused kernel cannot run on a CPU): variants, baselines, the check, the JSON."""
 import json
 
+import pytest
+
 import helpers
 
 STAND_INS = """
@@ -12,6 +14,7 @@ fused.fused_matmul_reduce_scatter = stand_in
 """
 
 
+@pytest.mark.slow  # ~30 s on 2 CPU cores: the slow layer (tests/conftest.py).
 def test_ablate_script_plumbing(tmp_path):
   out = tmp_path / "ablate.json"
   proc = helpers.run_script_with_stand_ins(

@@ -1,5 +1,7 @@
 """Forward pass, dispatch and validation of pallas_rs.matmul_reduce_scatter (CPU)."""
 import functools
+import os
+import re
 import zlib
 
 import jax
@@ -114,7 +116,7 @@ def _call_fn(implementation, scatter_dimension=0):
 
 
 @pytest.mark.skipif(platform.on_hopper(), reason="checks the CPU fallback")
-def test_auto_on_cpu_uses_xla_and_logs_once_at_info(monkeypatch):
+def test_auto_on_cpu_uses_xla_and_warns_once(monkeypatch):
   logged = []
   monkeypatch.setattr(platform.logging, "info", lambda *a: logged.append(("i", a)))
   monkeypatch.setattr(platform.logging, "warning", lambda *a: logged.append(("w", a)))
@@ -135,7 +137,30 @@ def test_auto_on_cpu_uses_xla_and_logs_once_at_info(monkeypatch):
   np.testing.assert_array_equal(np.asarray(auto), np.asarray(xla))
   assert len(logged) == 1, logged
   level, args = logged[0]
-  assert level == "i" and "platform='cpu'" in args[1], logged
+  assert level == "w" and "platform='cpu'" in args[1], logged
+
+
+@pytest.mark.skipif(platform.on_hopper(), reason="checks the CPU fallback")
+def test_fallback_reason_is_visible_by_default_once():
+  # A plain script, no logging set up: the reason shows on stderr, once for two calls.
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  code = ("import jax, jax.numpy as jnp, pallas_rs\n"
+          "mesh = jax.make_mesh((2,), ('x',), devices=jax.devices()[:2])\n"
+          "x, w = jnp.ones((128, 32), jnp.bfloat16), jnp.ones((32, 16), jnp.bfloat16)\n"
+          "for m in (64, 128):\n"
+          "  pallas_rs.row_parallel_matmul(x[:m], w, mesh=mesh, axis_name='x')\n")
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=2")
+  res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       check=False, timeout=120, env=env, cwd=helpers.REPO)
+  assert res.returncode == 0, res.stderr[-2000:]
+  lines = [l for l in res.stderr.splitlines() if "pallas_rs: using the XLA path" in l]
+  assert len(lines) == 1 and "platform='cpu'" in lines[0], res.stderr[-2000:]
+  # The README quotes it as it is.
+  readme = " ".join((helpers.REPO / "README.md").read_text().split())
+  (quoted,) = re.findall(r"`(pallas_rs: using the XLA path: [^`]+)`", readme)
+  assert lines[0].endswith(quoted), (lines[0], quoted)
 
 
 def test_choose_implementation_on_cpu():
@@ -289,6 +314,51 @@ def test_row_parallel_validation(x_shape, w_shape, axis_name, match):
 
 
 # --- first-hour errors --------------------------------------------------------
+
+
+@pytest.mark.parametrize("x_shape,w_shape,match", [
+    ((0, _KS), (_KS, _N), r"zero-size operands are not supported \(m=0\): got "
+     r"x.shape=\(0, 16\) w.shape=\(16, 24\)"),
+    ((_M, 0), (0, _N), r"zero-size operands are not supported \(k_shard=0\): got "
+     r"x.shape=\(8, 0\) w.shape=\(0, 24\)"),
+    ((_M, _KS), (_KS, 0), r"zero-size operands are not supported \(n=0\): got "
+     r"x.shape=\(8, 16\) w.shape=\(16, 0\)"),
+], ids=["m0", "k0", "n0"])
+def test_zero_size_operands(x_shape, w_shape, match):
+  mesh = helpers.make_mesh(4)
+  x, w = jnp.zeros(x_shape, jnp.bfloat16), jnp.zeros(w_shape, jnp.bfloat16)
+  for impl in ("auto", "xla", "fused"):
+    body = functools.partial(pallas_rs.matmul_reduce_scatter, axis_name=AXIS,
+                             implementation=impl)
+    with pytest.raises(ValueError, match=match):
+      jax.eval_shape(jax.shard_map(body, mesh=mesh, in_specs=jax.P(), out_specs=jax.P(),
+                                   check_vma=False), x, w)
+  # Global arrays: the same dimensions of x [m, k] and w [k, n].
+  with pytest.raises(ValueError, match=match.replace("k_shard", "k")):
+    pallas_rs.row_parallel_matmul(x, w, mesh=mesh, axis_name=AXIS)
+
+
+def test_python_lists_are_refused():
+  mesh = helpers.make_mesh(4)
+  x, w = [[1.0] * 16] * 8, [[1.0] * 8] * 16
+  with pytest.raises(ValueError, match=r"^x must be a jax.Array or numpy array, got list"):
+    pallas_rs.row_parallel_matmul(x, w, mesh=mesh, axis_name=AXIS)
+  with pytest.raises(ValueError, match=r"^w must be a jax.Array or numpy array, got list"):
+    pallas_rs.row_parallel_matmul(np.ones((8, 16), np.float32), w, mesh=mesh, axis_name=AXIS)
+  with pytest.raises(ValueError, match=r"^x must be a jax.Array or numpy array, got list"):
+    pallas_rs.matmul_reduce_scatter(x, w, axis_name=AXIS)
+  with pytest.raises(ValueError, match=r"^lhs must be a jax.Array or numpy array, got list"):
+    pallas_rs.all_gather_matmul(x, w, AXIS)
+  # numpy arrays are accepted.
+  out = pallas_rs.row_parallel_matmul(np.ones((8, 16), np.float32), np.ones((16, 8), np.float32),
+                                      mesh=mesh, axis_name=AXIS)
+  np.testing.assert_array_equal(np.asarray(out), np.full((8, 8), 16.0, np.float32))
+
+
+def test_mesh_none_is_refused():
+  x, w = jnp.zeros((8, 16)), jnp.zeros((16, 8))
+  with pytest.raises(ValueError, match=r"mesh must be a jax.sharding.Mesh.*got mesh=None"):
+    pallas_rs.row_parallel_matmul(x, w, mesh=None, axis_name=AXIS)
 
 
 @pytest.mark.parametrize("config", [{"tile_m": 64}, "tile_m=64", 64])

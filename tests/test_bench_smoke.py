@@ -2,6 +2,7 @@
 import copy
 import json
 import os
+import re
 from pathlib import Path
 import subprocess
 import sys
@@ -277,3 +278,99 @@ def test_proxy8_shapes_have_the_d8_k_shard_at_d2():
 def test_proxy8_flag_selects_the_proxies(bench):
   with flagsaver.flagsaver(tags=["proxy8"]):
     assert bench.select_cases("multi_gpu") == list(shapes.select("proxy8"))
+
+
+def test_readme_plot_command_on_the_committed_results(tmp_path):
+  # experiments/README.md's plot command, as written but for --out_dir: every committed JSON is
+  # plotted or skipped with one line (autotune, numerics, probe and check files are other
+  # schemas), and the run succeeds.
+  readme = (REPO / "experiments" / "README.md").read_text()
+  (pattern,) = re.findall(r"plot_results\.py --results='([^']+)'", readme)
+  res = subprocess.run([sys.executable, str(PLOT), f"--results={pattern}",
+                        f"--out_dir={tmp_path}"], capture_output=True, text=True,
+                       timeout=300, check=False, cwd=REPO)
+  assert res.returncode == 0, res.stderr[-3000:]
+  plot = helpers.load_script("plot_results")
+  committed = sorted((REPO / "experiments" / "results").glob("*.json"))
+  assert len(committed) >= 3
+  lines = res.stdout.splitlines()
+  for path in committed:
+    doc = json.loads(path.read_text())
+    rel = str(path.relative_to(REPO))
+    skipped = [l for l in lines if l.startswith(f"skip {rel}: ")]
+    if plot.not_harness_results(doc) is None:
+      assert not skipped, skipped
+      assert any(l.startswith(f"wrote {tmp_path / path.stem}_") for l in lines), rel
+    else:
+      assert len(skipped) == 1, (rel, res.stdout[-3000:])
+  assert lines[-1].startswith("plotted ")
+  assert list(tmp_path.glob("*.png"))
+
+
+# --- progress and partial results ----------------------------------------------
+
+_STOP_AT_SHAPE_3 = """
+import harness
+_sharded_records, _done = harness.sharded_records, []
+def sharded_records(mode, case, *args, **kwargs):
+  if len(_done) == 2:
+    raise RuntimeError("stand-in: the run is cut short at shape 3")
+  _done.append(case.name)
+  return _sharded_records(mode, case, *args, **kwargs)
+harness.sharded_records = sharded_records
+"""
+
+
+def test_progress_lines_and_json_written_after_each_shape(tmp_path):
+  # A run cut short (an exception at shape 3, --keep_going off) keeps the 2 shapes it measured:
+  # a line per shape as it completes, and the JSON rewritten after each.
+  out = tmp_path / "partial.json"
+  names = [c.name for c in shapes.select(names=["ci_llama70b_o_proj_d2", "ci_min_tile_d2",
+                                                  "ci_llama70b_o_proj_d8"])]  # run in this order
+  res = helpers.run_script_with_stand_ins(
+      "matmul_rs_bench.py", ["--mode=smoke", f"--names={','.join(names)}", "--iterations=2",
+                             "--warmup=0", f"--out={out}"],
+      stand_ins=_STOP_AT_SHAPE_3, timeout=300)
+  assert res.returncode != 0 and "cut short at shape 3" in res.stderr, res.stderr[-3000:]
+  progress = [l for l in res.stdout.splitlines() if l.startswith("[")]
+  assert [l.split()[:2] for l in progress] == [["[1/3]", names[0]], ["[2/3]", names[1]]], (
+      res.stdout)
+  assert all("seq" in l and "xla" in l for l in progress), progress
+  doc = json.loads(out.read_text())
+  assert doc["complete"] is False
+  assert [r["shape"]["name"] for r in doc["records"]] == [names[0]] * 4 + [names[1]] * 4
+  helpers.load_script("matmul_rs_bench").validate_results(doc)
+
+
+def test_help_names_the_default_output_folder_and_it_is_ignored():
+  # --help names the folder the run really writes to when --out is not given, and git ignores it.
+  bench = helpers.load_script("matmul_rs_bench")
+  import bench_env  # pylint: disable=g-import-not-at-top  (experiments/ is on sys.path now)
+  res = subprocess.run([sys.executable, str(BENCH), "--help"], capture_output=True, text=True,
+                       timeout=120, check=False, cwd=REPO)
+  assert "--out" in res.stdout, res.stderr[-2000:]  # (absl's --help exits with 1)
+  for mode in ("smoke", "multi_gpu", "single_gpu"):
+    path = bench.default_out_path(mode)
+    assert path.parent == bench_env.OUT_DIR and path.name.startswith(f"{mode}_"), path
+  assert bench_env.OUT_DIR_NAME in FLAGS["out"].help
+  assert f"default {bench_env.OUT_DIR_NAME}" in " ".join(res.stdout.split()), res.stdout
+  assert "experiments/results/<mode>" not in res.stdout
+  rel = bench_env.default_out("x.json").relative_to(REPO)
+  ignored = subprocess.run(["git", "check-ignore", "-q", str(rel)], cwd=REPO, check=False)
+  assert ignored.returncode == 0, f"{rel} is not git-ignored"
+
+
+def test_every_script_defaults_to_the_ignored_folder():
+  # Each experiment script with an --out flag builds its default path with bench_env.default_out
+  # (experiments/out/, git-ignored), never under the curated experiments/results/.
+  scripts = sorted((REPO / "experiments").glob("*.py"))
+  with_out = [p for p in scripts if re.search(r'DEFINE_string\(\s*"out"', p.read_text())]
+  assert len(with_out) >= 8, with_out
+  for path in with_out:
+    text = path.read_text()
+    assert '"results" /' not in text, path.name
+    help_text = re.search(r'DEFINE_string\(\s*"out",(.*?)\)\n', text, re.S).group(1)
+    if "default_out" in text:
+      assert "experiments/out/" in help_text, (path.name, help_text)
+    else:  # No default path: the script writes nothing without --out.
+      assert "if _OUT.value:" in text, path.name

@@ -76,7 +76,7 @@ def _assert_tree_close(out, ref, *, tol, name):
     helpers.assert_close(a, b, tol=tol, name=f"{name} d{leaf_name}")
 
 
-@pytest.mark.parametrize("num_devices", [2, 4, 8])
+@pytest.mark.parametrize("num_devices", [2, pytest.param(4, marks=pytest.mark.slow), 8])
 def test_block_matches_unsharded_reference_and_xla(num_devices):
   mesh, params, h = _setup(num_devices)
   sharded = model.shard_params(params, mesh, AXIS)
@@ -218,6 +218,7 @@ def test_ag_matmul_gate_accepts_the_llama70b_shapes(monkeypatch):
       assert config.tile_m == (128 if m_shard % 128 == 0 else 64)
 
 
+@pytest.mark.slow  # ~20 s on 2 CPU cores: the slow layer (tests/conftest.py).
 def test_model_bench_smoke_end_to_end(tmp_path):
   """experiments/model_bench.py --mode=smoke: runs, writes JSON, fused unavailable."""
   out = tmp_path / "model_smoke.json"

@@ -49,7 +49,8 @@ def test_dot_flops_counts_a_known_matmul():
   assert no_comm.dot_flops(text) == 2 * 32 * 48 * 80
 
 
-@pytest.mark.parametrize("pass_name", ["forward", "forward_backward"])
+@pytest.mark.parametrize("pass_name", [
+    "forward", pytest.param("forward_backward", marks=pytest.mark.slow)])
 def test_no_comm_has_no_collectives_and_the_same_dot_flops(pass_name):
   real, local = _hlo((), pass_name), _hlo(no_comm.LAYERS, pass_name)
   # The real block: an all-gather and a reduce-scatter per layer pair, both passes.
@@ -82,6 +83,7 @@ def test_unknown_layer():
     no_comm.layer_functions(["wq"])
 
 
+@pytest.mark.slow  # ~20 s on 2 CPU cores: the slow layer (tests/conftest.py).
 def test_model_bench_per_layer_smoke(tmp_path):
   """--per_layer: each layer's exposed communication of the XLA block is recorded."""
   import json  # pylint: disable=g-import-not-at-top

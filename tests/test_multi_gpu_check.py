@@ -26,6 +26,7 @@ def _run(tmp_path, factor):
   return proc, (json.loads(out.read_text()) if out.exists() else None)
 
 
+@pytest.mark.slow  # ~40 s per case on 2 CPU cores: the slow layer (tests/conftest.py).
 @pytest.mark.parametrize("factor,expect_ok", [(1, True), (1.01, False)])
 def test_script_checks_what_it_runs(tmp_path, factor, expect_ok):
   proc, result = _run(tmp_path, factor)

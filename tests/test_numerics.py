@@ -311,8 +311,12 @@ def _family_batch(family, d, seeds, chunk=64, n=128, k_shard=64):
   return np.asarray(xb), np.asarray(wb)
 
 
-@pytest.mark.parametrize("d", [2, 4, 8])
-@pytest.mark.parametrize("family", nm.FAMILIES)
+@pytest.mark.parametrize("d,family", [
+    # Every family at D = 2 and every D for one family in the fast layer; the rest is slow
+    # (5-10 s each on 2 CPU cores; tests/conftest.py).
+    pytest.param(d, family, marks=() if d == 2 or family == nm.FAMILIES[0] else pytest.mark.slow,
+                 id=f"{family}-{d}")
+    for family in nm.FAMILIES for d in (2, 4, 8)])
 def test_float32_partials_keep_the_rule_by_construction(d, family):
   draws = 12
   xb, wb = _family_batch(family, d, range(draws))
@@ -804,6 +808,7 @@ def _table_is_last(stdout, rows):
     assert ln.split()[:4] == [r["mode"], str(r["d"]), r["family"], r["numerics"]]
 
 
+@pytest.mark.slow  # An experiment script end to end: the slow layer (tests/conftest.py).
 def test_script_emulate_mode(tmp_path):
   result, stdout = _run_script(tmp_path, [
       "--mode=emulate", "--num_inputs=3", "--num_devices=2,4", "--families=gaussian,outliers",
@@ -905,6 +910,7 @@ app.run(mod.main)
 """
 
 
+@pytest.mark.slow  # ~16 s on 2 CPU cores: the slow layer (tests/conftest.py).
 def test_script_device_modes_with_stand_in_kernel(tmp_path):
   driver = DRIVER.format(repo=str(REPO), script=str(REPO / "experiments" / "numerics.py"))
   result, stdout = _run_script(tmp_path, [

@@ -35,6 +35,7 @@ def test_variant_names(overlap_probe):
     overlap_probe.variant_config(base, "x9")
 
 
+@pytest.mark.slow  # ~30 s on 2 CPU cores: the slow layer (tests/conftest.py).
 def test_overlap_probe_plumbing(tmp_path):
   out = tmp_path / "probe.json"
   proc = helpers.run_script_with_stand_ins(

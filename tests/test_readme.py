@@ -60,3 +60,14 @@ def test_every_design_citation_resolves():
       ref = re.match(r"section (\d+)", tail)
       assert ref is None or ref.group(1) in sections, (path.name, tail)
   assert cited >= 10
+
+
+def test_ci_runs_the_readme_test_command_then_the_slow_layer():
+  readme = (REPO / "README.md").read_text()
+  tests = readme[:readme.index("\n## ")]  # The top: main job and tests.
+  (command,) = re.findall(r"&& (python -m pytest[^\n`]*)\n", tests)
+  ci = [line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines()]
+  assert command in ci, (command, ci)
+  slow = [line for line in ci if line.startswith("python -m pytest") and "-m slow" in line]
+  assert len(slow) == 1 and ci.index(slow[0]) > ci.index(command), ci
+  assert "python -m pytest -q tests -m slow" in " ".join(tests.split())
