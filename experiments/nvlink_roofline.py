@@ -67,7 +67,7 @@ from pallas_rs import metrics
 from pallas_rs import timing
 
 _OUT = flags.DEFINE_string("out", "", "JSON path (the PNG goes next to it); default "
-                           "experiments/results/nvlink_roofline.json.")
+                           "experiments/out/nvlink_roofline.json (git-ignored).")
 _MECHANISMS = flags.DEFINE_list("mechanisms", ["push", "pull", "local", "hol"],
                                 "Subset of push, pull, local, hol.")
 _CTAS = flags.DEFINE_list("ctas", ["1", "2", "4", "8", "16", "132"],
@@ -982,8 +982,7 @@ def main(argv):
   one_way = _DIRECTIONS.value == "one"
   common = dict(bytes_per_cta=_BYTES_PER_CTA_KB.value << 10, chunk_bytes=_CHUNK_KB.value << 10,
                 one_way=one_way)
-  out_path = Path(_OUT.value) if _OUT.value else (
-      bench_env.REPO / "experiments" / "results" / "nvlink_roofline.json")
+  out_path = Path(_OUT.value) if _OUT.value else bench_env.default_out("nvlink_roofline.json")
 
   if lower_only:
     devices = jax.devices()[:d]

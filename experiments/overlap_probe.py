@@ -44,7 +44,7 @@ _OUT = flags.DEFINE_string("out", "", "JSON output path; default experiments/out
 
 def variant_config(base, name: str):
   """The config of a variant name, "_"-separated tokens applied to `base`: v1 (as is: the
-  direct push), cN (N comm CTAs), oN (N epilogue SMEM slots), f32 / bf16 (partial dtype),
+  direct push), cN (N comm CTAs pushing), pN (N comm CTAs pulling), oN (N epilogue SMEM slots), f32 / bf16 (partial dtype),
   ring (numerics mode "unfused_order": bf16 partials summed in the unfused path's order);
   then fitted to SMEM at D = 2 (`config.fit_smem`)."""
   from pallas_rs import config as config_lib  # pylint: disable=g-import-not-at-top
@@ -55,9 +55,11 @@ def variant_config(base, name: str):
           cfg, "float32" if token == "f32" else "bfloat16", 2)
     elif token == "ring":
       cfg = config_lib.with_numerics(cfg, "unfused_order", 2)
-    elif token[0] in "co" and token[1:].isdigit():
-      field = "comm_ctas" if token[0] == "c" else "out_slots"
+    elif token[0] in "cpo" and token[1:].isdigit():
+      field = "out_slots" if token[0] == "o" else "comm_ctas"
       cfg = dataclasses.replace(cfg, **{field: int(token[1:])})
+      if token[0] == "p":
+        cfg = dataclasses.replace(cfg, comm_mode="pull")
     elif token != "v1":
       raise ValueError(f"unknown variant token {token!r} in {name!r}")
   return config_lib.fit_smem(cfg, 2)

@@ -26,6 +26,7 @@ COMM_COPY_BYTES = 32 * 1024
 #     partials added in NCCL's ring order (sources r+1, ..., r+D-1, then r) with a bf16 rounding
 #     after every add.
 OWNER_SUMS = ("fp32", "bf16_ring")
+COMM_MODES = ("push", "pull")
 # The numerics modes users and the tuner choose between: name -> (partial_dtype, owner_sum).
 NUMERICS_MODES = {
     "fp32_partials": ("float32", "fp32"),
@@ -67,6 +68,10 @@ class Config:
     partial_dtype: dtype of the partial tiles sent to their owners, "bfloat16" or "float32".
       With float32 the owner rounds the sum of all D partials once (never less accurate
       than the unfused bf16 reduce-scatter), at twice the bytes.
+    comm_mode: how comm CTAs move the staged partials (COMM_MODES): "push" (the source's
+      comm CTAs TMA-store them into the owner's receive slots) or "pull" (the owner's comm
+      CTAs TMA-load them from the source's staging buffer: about twice one SM's push rate,
+      measured; needs jax >= 0.11.2 on devices, where Mosaic lowers remote TMA loads).
     owner_sum: how the owner adds the partials (OWNER_SUMS): "fp32" (its fp32 accumulator,
       slot order, one rounding) or "bf16_ring" (bf16 partials only: the unfused path's
       arithmetic, bit for bit wherever the partials equal cuBLAS's). `numerics` names the pair.
@@ -86,6 +91,7 @@ class Config:
   out_slots: int = 0
   partial_dtype: str = "bfloat16"
   owner_sum: str = "fp32"
+  comm_mode: str = "push"
 
   def __post_init__(self):
     tile_m, tile_n, tile_k = self.tile_m, self.tile_n, self.tile_k
@@ -118,6 +124,8 @@ class Config:
       raise ValueError(f"comm_ctas={self.comm_ctas} must be >= 0")
     if self.partial_dtype not in PARTIAL_DTYPES:
       raise ValueError(f"partial_dtype={self.partial_dtype!r} must be one of {PARTIAL_DTYPES}")
+    if self.comm_mode not in COMM_MODES:
+      raise ValueError(f"comm_mode={self.comm_mode!r} must be one of {COMM_MODES}")
     if self.owner_sum not in OWNER_SUMS:
       raise ValueError(f"owner_sum={self.owner_sum!r} must be one of {OWNER_SUMS}")
     if self.owner_sum == "bf16_ring" and self.partial_dtype != "bfloat16":

@@ -25,9 +25,20 @@ SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16),)
 MAX_DEVICES = 8
 
 
+# Mosaic GPU lowers a TMA load from a peer's buffer in Warpgroup semantics from this jax on
+# (checked: 0.11.2 lowers and runs it on two H200s; 0.10.2 raises "GMEM refs with peer ids
+# are not supported in warpgroup lowering").
+REMOTE_TMA_LOAD_JAX = (0, 11, 2)
+
+
+def remote_tma_loads_supported() -> bool:
+  return tuple(jax.__version_info__[:3]) >= REMOTE_TMA_LOAD_JAX
+
+
 def check_supported(*, m: int, k_shard: int, n: int, dtype, num_devices: int,
-                    config: Config | None = None) -> Config:
-  """Returns the config to use, or raises NotImplementedError saying why the kernel can't."""
+                    config: Config | None = None, loopback: bool = False) -> Config:
+  """Returns the config to use, or raises NotImplementedError saying why the kernel can't.
+  `loopback`: for the one-GPU transport (no remote loads)."""
   if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
     raise NotImplementedError(f"fused kernel supports bfloat16 only, got dtype={jnp.dtype(dtype)}")
   if not 1 <= num_devices <= MAX_DEVICES:
@@ -45,6 +56,12 @@ def check_supported(*, m: int, k_shard: int, n: int, dtype, num_devices: int,
     raise NotImplementedError(
         f"config.num_sms={config.num_sms} exceeds the {sms} SMs of {jax.devices()[0].device_kind}")
   config.check_shape(m=m, n=n, k_shard=k_shard, num_devices=num_devices)
+  if (not loopback and num_devices > 1 and config.comm_ctas and config.comm_mode == "pull"
+      and not remote_tma_loads_supported()):
+    raise NotImplementedError(
+        f"comm_mode='pull' TMA-loads from peers, which Mosaic GPU lowers from jax "
+        f"{'.'.join(map(str, REMOTE_TMA_LOAD_JAX))} on (this is {jax.__version__}); "
+        "use comm_mode='push'")
   return config
 
 
@@ -61,7 +78,7 @@ class CheckedConfig:
     return cls(config, (m, k_shard, n, jnp.dtype(dtype).name, num_devices))
 
 
-def _checked(config, *, m, k_shard, n, dtype, num_devices) -> Config:
+def _checked(config, *, m, k_shard, n, dtype, num_devices, loopback=False) -> Config:
   """The config to run: a CheckedConfig's for this very problem, else `check_supported`'s."""
   if isinstance(config, CheckedConfig):
     problem = (m, k_shard, n, jnp.dtype(dtype).name, num_devices)
@@ -69,7 +86,7 @@ def _checked(config, *, m, k_shard, n, dtype, num_devices) -> Config:
       raise ValueError(f"config was checked for {config.problem}, not {problem}")
     return config.config
   return check_supported(m=m, k_shard=k_shard, n=n, dtype=dtype, num_devices=num_devices,
-                         config=config)
+                         config=config, loopback=loopback)
 
 
 def gpu_num_sms() -> int | None:
@@ -226,7 +243,8 @@ def loopback_matmul_reduce_scatter(xs, ws, *, config: Config | None = None,
   n = ws.shape[2]
   if ws.shape[:2] != (d, k_shard):
     raise ValueError(f"xs {xs.shape} and ws {ws.shape} must be [D, m, k_shard], [D, k_shard, n]")
-  config = _checked(config, m=m, k_shard=k_shard, n=n, dtype=xs.dtype, num_devices=d)
+  config = _checked(config, m=m, k_shard=k_shard, n=n, dtype=xs.dtype, num_devices=d,
+                    loopback=True)
   if d < 2:
     raise NotImplementedError("loopback needs at least 2 virtual ranks; use local_matmul")
   if config.num_sms < d:

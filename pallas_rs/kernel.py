@@ -86,7 +86,8 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
   in_transforms = _swizzled(tile_k, dtype)
   epi_transforms = _swizzled(epi_n, out_dtype)
   part_transforms = _swizzled(epi_n, part_dtype)
-  where = schedule.SemLayout(d, tiles, num_comm)
+  pull = bool(num_comm) and config.comm_mode == "pull"
+  where = schedule.SemLayout(d, tiles, num_comm, pull)
   sems = transport.semaphores(where.shape) if d > 1 else None
   first_eager = schedule.first_eager_step(d, config.eager_signal_steps)
   ring = config.owner_sum == "bf16_ring" and d > 1
@@ -148,15 +149,17 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
 
       def announce(step, tile):
         """Tells whoever moves the remote tile (step, tile) next that its stores have landed:
-        the owner (direct push) or this rank's comm CTAs (staging)."""
-        if num_comm:
+        the owner (direct push: in its receive slot; pull: in this rank's staging buffer) or
+        this rank's comm CTAs (push from staging)."""
+        if num_comm and not pull:
           transport.signal_local(sems, rank, where.staged(step, tile, wg_idx))
           return
         offset = schedule.dst_offset(step, d)
         for o in range(1, d):  # Static peers: see transport.py.
           @pl.when(offset == o)
           def _():
-            transport.signal(sems, rank, o, where.arrived(tile, wg_idx))
+            idx = where.staged(o - 1, tile, wg_idx) if pull else where.arrived(tile, wg_idx)
+            transport.signal(sems, rank, o, idx)
 
       def store_tile(subs, smem, dst_ref):
         """Epilogue sub-tiles `subs` (in epi_tiles order) -> dst_ref [tile_m, tile_n] through
@@ -176,7 +179,7 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
           if num_comm:  # Each slot's tiles arrive in the order its comm CTA moves them.
             c, need = tile % num_comm, tile // num_comm + 1
             for slot in range(d - 1):
-              transport.wait(sems, rank, where.delivered(slot, c, wg_idx), need)
+              transport.wait(sems, rank, where.delivered(slot, c, wg_idx), need, local=pull)
           else:
             transport.wait(sems, rank, where.arrived(tile, wg_idx), d - 1)
         loads = [(mi, ni, j) for mi, ni in epi_tiles for j in slot_order]
@@ -367,10 +370,103 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
             def _(o=o, step=step, r=r):
               transport.signal(sems, rank, o, where.delivered(step, comm_index, wg_idx), r)
 
+  def pull_program(comm_index):
+    """Comm CTA `comm_index` of `num_comm` for this rank as owner (kernel v3 pull, docs/design.md
+    section 3.2): for each remote step s in order (the peer at offset D - 1 - s computes this
+    rank's chunk at its step s), TMA-loads that peer's staged partials of tiles comm_index,
+    +num_comm, ... over NVLink and TMA-stores them into local receive slot s, `prefetch`
+    blocks of loads in flight per warpgroup; announces each landed tile to the own compute
+    CTAs; then tells every peer it is done reading the peer's staging buffer, and comm CTA 0
+    waits until every peer is done with this rank's. No remote store is ever issued here, so
+    no load queues behind one (the head-of-line effect, section 3.2)."""
+    sets = config.comm_buffer_sets
+    prefetch, reuse_wait = schedule.comm_prefetch(sets)
+    rows = config.comm_rows
+    blocks = tile_m // rows
+    lag = schedule.COMM_SIGNAL_LAG
+    comm_scoped = dict(
+        buf=plgpu.SMEM((_NUM_COMPUTE_WGS, sets, rows, tile_n), part_dtype),
+        barrier=plgpu.Barrier(num_barriers=_NUM_COMPUTE_WGS * sets),
+    )
+
+    @functools.partial(pl.run_scoped, collective_axes="wg", **comm_scoped)
+    def _scope(buf, barrier):
+      wg_idx = lax.axis_index("wg")
+
+      @pl.when(wg_idx < _NUM_COMPUTE_WGS)
+      def _puller():
+        num_tiles = jnp.maximum(tiles - comm_index + num_comm - 1, 0) // num_comm
+        count = num_tiles * blocks
+        tile_of = lambda q: comm_index + q * num_comm
+
+        def block(j):
+          rs, cs = tile_slices(tile_of(j // blocks), wg_idx)[1]
+          return pl.ds(rs.start + lax.rem(j, blocks) * rows, rows), cs
+
+        for step in range(d - 1):  # Static peers: see transport.py.
+          src = transport.peer_stage(stage_gmem, rank, d - 1 - step).at[step]
+          dst = recv_local.at[schedule.recv_slot(step)]
+
+          def load(j, step=step, src=src):
+            @pl.when(lax.rem(j, blocks) == 0)
+            def _():
+              transport.wait(sems, rank, where.staged(step, tile_of(j // blocks), wg_idx), 1)
+            b = lax.rem(j, sets)
+            plgpu.copy_gmem_to_smem(src.at[block(j)], buf.at[wg_idx, b],
+                                    barrier.at[wg_idx * sets + b])
+
+          for i in range(prefetch):
+            @pl.when(i < count)
+            def _(i=i, load=load):
+              load(i)
+
+          def move(j, carry, step=step, dst=dst, load=load):
+            b = lax.rem(j, sets)
+            plgpu.barrier_wait(barrier.at[wg_idx * sets + b])
+            plgpu.copy_smem_to_gmem(buf.at[wg_idx, b], dst.at[block(j)])
+
+            @pl.when(j + prefetch < count)
+            def _():
+              # Buffer (j + prefetch) % sets last held block j + prefetch - sets; the stores
+              # issued after it may still read SMEM, it may not (schedule.comm_prefetch).
+              plgpu.wait_smem_to_gmem(reuse_wait, wait_read_only=True)
+              load(j + prefetch)
+
+            q = j // blocks
+
+            @pl.when((lax.rem(j, blocks) == blocks - 1) & (q >= lag))
+            def _():
+              # Tile q - lag has landed locally once at most `lag` later tiles' stores pend.
+              plgpu.wait_smem_to_gmem(lag * blocks, wait_read_only=False)
+              transport.signal_local(sems, rank, where.delivered(step, comm_index, wg_idx))
+            return carry
+
+          lax.fori_loop(0, count, move, None)
+          plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+
+          def drain(q, carry, step=step):
+            transport.signal_local(sems, rank, where.delivered(step, comm_index, wg_idx))
+            return carry
+
+          lax.fori_loop(jnp.maximum(num_tiles - lag, 0), num_tiles, drain, None)
+
+        # Each load was waited on before its store: this warpgroup reads no peer any more.
+        for o in range(1, d):
+          transport.signal(sems, rank, o, where.done())
+
+        @pl.when((comm_index == 0) & (wg_idx == 0))
+        def _():
+          # Peers may still read this rank's staging buffer; XLA may reuse it once the kernel
+          # exits.
+          transport.wait(sems, rank, where.done(), (d - 1) * num_comm * _NUM_COMPUTE_WGS)
+
   if num_comm and "comm" not in skip:
     @pl.when(cta < num_comm)
     def _comm():
-      comm_program(cta)
+      if pull:
+        pull_program(cta)
+      else:
+        comm_program(cta)
 
   if num_comm:
     @pl.when(cta >= num_comm)

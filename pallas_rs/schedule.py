@@ -44,17 +44,25 @@ class SemLayout:
   peer. With comm CTAs: `delivered(slot, c)` = (slot, c) counts the tiles of receive slot
   `slot` that the source's comm CTA c has landed here, in its order c, c + n, ... (announced in
   batches), so tile t has arrived once entry (slot, t % n) reaches t // n + 1; `staged(step,
-  tile)` = (D - 1 + step, tile) is the rank's own flag of a staged remote tile.
+  tile)` = (D - 1 + step, tile) flags a staged remote tile: the rank's own (push from
+  staging), or, with `pull`, the peer's that computed this rank's chunk at `step` (signalled
+  over NVLink); then `done()` counts the peers done reading this rank's staging buffer.
   """
   num_devices: int
   tiles: int
   comm_ctas: int
+  pull: bool = False
 
   @property
   def shape(self) -> tuple[int, int]:
     if not self.comm_ctas:
       return 1, self.tiles
-    return 2 * (self.num_devices - 1), max(self.tiles, self.comm_ctas)
+    rows = 2 * (self.num_devices - 1) + (1 if self.pull else 0)
+    return rows, max(self.tiles, self.comm_ctas)
+
+  def done(self):
+    """Pull: the peers' comm warpgroups that finished reading this rank's staging buffer."""
+    return 2 * (self.num_devices - 1), 0, 0
 
   def arrived(self, tile, wg):
     return 0, tile, wg
@@ -128,14 +136,15 @@ def cta_tiles(cta: int, num_ctas: int, num_devices: int, tiles_per_chunk: int) -
 
 def cta_program(rank: int, cta: int, *, num_ctas: int, num_devices: int,
                 tiles_per_chunk: int, eager_signal_steps: int = 0,
-                comm_ctas: int = 0) -> list[Event]:
+                comm_ctas: int = 0, pull: bool = False) -> list[Event]:
   """The ordered events of CTA `cta` of `num_ctas` (a rank's whole grid), mirroring kernel.py.
   Events name the CTA by its grid index; a compute CTA picks its tiles by its index among the
   compute CTAs."""
   d = num_devices
   staged = bool(comm_ctas) and d > 1
   if staged and cta < comm_ctas:
-    return _comm_program(rank, cta, comm_ctas=comm_ctas, num_devices=d,
+    program = _pull_program if pull else _comm_program
+    return program(rank, cta, comm_ctas=comm_ctas, num_devices=d,
                          tiles_per_chunk=tiles_per_chunk)
   first = comm_ctas if staged else 0  # Compute CTAs are the grid's CTAs first, first + 1, ...
   first_eager = first_eager_step(d, eager_signal_steps)
@@ -143,7 +152,8 @@ def cta_program(rank: int, cta: int, *, num_ctas: int, num_devices: int,
 
   def announce(e):
     if staged:
-      return Event("signal_staged", rank, cta, e.step, e.tile, rank, e.slot)
+      # Push: this rank's comm CTAs move it; pull: the owner's do.
+      return Event("signal_staged", rank, cta, e.step, e.tile, e.dst if pull else rank, e.slot)
     return Event("signal", rank, cta, e.step, e.tile, e.dst, e.slot)
 
   events = []
@@ -200,6 +210,45 @@ def _comm_program(rank: int, cta: int, *, comm_ctas: int, num_devices: int,
   return events
 
 
+def _pull_program(rank: int, cta: int, *, comm_ctas: int, num_devices: int,
+                  tiles_per_chunk: int) -> list[Event]:
+  """Pulling comm CTA `cta` of owner `rank`: per remote step s, its tiles of the chunk that
+  the source rank - s - 1 staged at its step s: wait for the source's flag, pull (read the
+  source's staging, land in local slot s), announce locally COMM_SIGNAL_LAG tiles later; then
+  tell every peer it is done reading, and CTA 0 waits until all peers are done with its own."""
+  d = num_devices
+  events = []
+  for step in range(own_step(d)):
+    src = (rank - step - 1) % d
+    slot = recv_slot(step)
+    mine = list(range(cta, tiles_per_chunk, comm_ctas))
+    for q, tile in enumerate(mine):
+      events.append(Event("wait_staged", rank, cta, step, tile, rank, slot, target=1))
+      events.append(Event("pull", rank, cta, step, tile, src, slot))
+      if q >= COMM_SIGNAL_LAG:
+        events.append(Event("deliver", rank, cta, step, cta, rank, slot, target=1))
+    for _ in mine[max(0, len(mine) - COMM_SIGNAL_LAG):]:
+      events.append(Event("deliver", rank, cta, step, cta, rank, slot, target=1))
+  events += [Event("signal_done", rank, cta, 0, 0, (rank + o) % d) for o in range(1, d)]
+  if cta == 0:
+    events.append(Event("wait_done", rank, cta, 0, 0, rank,
+                        target=(d - 1) * comm_ctas * NUM_COMPUTE_WGS))
+  return events
+
+
+def comm_prefetch(sets: int) -> tuple[int, int]:
+  """(prefetch, reuse_wait) of a pulling comm warpgroup with `sets` SMEM buffers (kernel.py).
+
+  Block j's remote load goes into buffer j % sets, `prefetch` blocks ahead of its local store;
+  before it, the warpgroup waits until at most `reuse_wait` of its TMA stores may still read
+  SMEM, so that the store of the buffer's previous block (j - sets) has read it
+  (tests/test_schedule.py checks this against a model of the store queue)."""
+  if sets < 1:
+    raise ValueError(f"{sets=} must be >= 1")
+  prefetch = max(1, sets - 1)
+  return prefetch, sets - prefetch
+
+
 def comm_reuse_wait(sets: int) -> int:
   """TMA stores a comm warpgroup may leave unread before it refills a buffer (kernel.py): block
   j goes into buffer j % sets, so the store of block j - sets, the oldest of the last `sets`,
@@ -210,15 +259,17 @@ def comm_reuse_wait(sets: int) -> int:
 
 
 def rank_programs(rank: int, *, num_ctas: int, num_devices: int, tiles_per_chunk: int,
-                  eager_signal_steps: int = 0, comm_ctas: int = 0) -> list[list[Event]]:
+                  eager_signal_steps: int = 0, comm_ctas: int = 0,
+                  pull: bool = False) -> list[list[Event]]:
   return [cta_program(rank, c, num_ctas=num_ctas, num_devices=num_devices,
                       tiles_per_chunk=tiles_per_chunk, eager_signal_steps=eager_signal_steps,
-                      comm_ctas=comm_ctas)
+                      comm_ctas=comm_ctas, pull=pull)
           for c in range(num_ctas)]
 
 
 def simulate(*, num_ctas: int, num_devices: int, tiles_per_chunk: int,
-             eager_signal_steps: int = 0, comm_ctas: int = 0) -> dict[str, Any]:
+             eager_signal_steps: int = 0, comm_ctas: int = 0,
+             pull: bool = False) -> dict[str, Any]:
   """Runs every CTA of every rank as a sequential process, round-robin.
 
   Models the co-resident persistent grid the kernel requires (fused.check_supported keeps
@@ -230,10 +281,11 @@ def simulate(*, num_ctas: int, num_devices: int, tiles_per_chunk: int,
   d = num_devices
   if comm_ctas and d > 1 and comm_ctas >= num_ctas:
     raise ValueError(f"{comm_ctas=} leaves no compute CTA among {num_ctas=}")
+  done_target = (d - 1) * comm_ctas * NUM_COMPUTE_WGS  # pull: the exit wait's target
   programs = {(r, c): prog for r in range(d)
               for c, prog in enumerate(rank_programs(
                   r, num_ctas=num_ctas, num_devices=d, tiles_per_chunk=tiles_per_chunk,
-                  eager_signal_steps=eager_signal_steps, comm_ctas=comm_ctas))}
+                  eager_signal_steps=eager_signal_steps, comm_ctas=comm_ctas, pull=pull))}
   pcs = {key: 0 for key in programs}
   sems: dict[tuple, int] = {}
   landed: set[tuple[int, int, int]] = set()  # (dst, slot, tile) stores that completed
@@ -253,6 +305,18 @@ def simulate(*, num_ctas: int, num_devices: int, tiles_per_chunk: int,
           c = ev.tile % comm_ctas
           if any(sems.get(("delivered", ev.rank, ev.slot, c, wg), 0) < ev.target for wg in wgs):
             break
+        elif ev.kind == "wait_done":
+          if sems.get(("done", ev.rank), 0) < ev.target:
+            break
+        elif ev.kind == "pull":
+          if (ev.dst, ev.slot, ev.tile) not in staged:
+            raise RuntimeError(f"rank {ev.rank} pulls tile {ev.tile} of slot {ev.slot} from "
+                               f"rank {ev.dst} before it was staged")
+          if ("done", ev.dst) in sems and sems[("done", ev.dst)] >= done_target:
+            raise RuntimeError(f"rank {ev.rank} reads rank {ev.dst}'s staging after it exited")
+          landed.add((ev.rank, ev.slot, ev.tile))
+        elif ev.kind == "signal_done":
+          sems[("done", ev.dst)] = sems.get(("done", ev.dst), 0) + len(wgs)
         elif ev.kind == "wait_staged":
           if any(sems.get(("staged", ev.rank, ev.slot, ev.tile, wg), 0) < ev.target
                  for wg in wgs):
@@ -286,7 +350,7 @@ def simulate(*, num_ctas: int, num_devices: int, tiles_per_chunk: int,
             sems[k] = first + ev.target
         elif ev.kind == "signal_staged":
           for wg in wgs:
-            k = ("staged", ev.rank, ev.slot, ev.tile, wg)
+            k = ("staged", ev.dst, ev.slot, ev.tile, wg)
             sems[k] = sems.get(k, 0) + 1
         trace.append(ev)
         pcs[key] += 1

@@ -56,6 +56,9 @@ class NVLinkTransport:
   def peer_recv(self, recv, rank, offset: int):
     return plgpu.remote_ref(recv, self._device_id(rank, offset))
 
+  def peer_stage(self, stage, rank, offset: int):
+    return plgpu.remote_ref(stage, self._device_id(rank, offset))
+
   def semaphores(self, shape: tuple[int, int]):
     return pl.get_global(plgpu.SemaphoreType.REGULAR((*shape, NUM_COMPUTE_WGS)))
 
@@ -98,6 +101,9 @@ class LoopbackTransport:
 
   def peer_recv(self, recv, rank, offset: int):
     return recv.at[lax.rem(rank + offset, self.num_devices)]
+
+  def peer_stage(self, stage, rank, offset: int):
+    return stage.at[lax.rem(rank + offset, self.num_devices)]
 
   def semaphores(self, shape: tuple[int, int]):
     return pl.get_global(plgpu.SemaphoreType.REGULAR(

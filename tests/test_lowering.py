@@ -271,3 +271,28 @@ def test_fp32_partials_without_room_are_refused():
   cfg = config_lib.Config(partial_dtype="float32", epi_tile_n=64, max_concurrent_steps=4)
   with pytest.raises(NotImplementedError, match="shared memory"):
     cfg.check_shape(m=1024, n=1024, k_shard=512, num_devices=2)
+
+
+@pytest.mark.parametrize("d", [2, 8])
+@pytest.mark.parametrize("numerics", ["unfused_order", "fp32_partials"])
+def test_pull_comm_ctas_lower_in_loopback(d, numerics):
+  """Kernel v3 with pulling comm CTAs (docs/design.md section 3.2): loopback reads a peer's
+  staging buffer with a plain TMA load, which lowers on every supported jax."""
+  cfg = config_lib.with_numerics(config_lib.Config(comm_ctas=4, comm_mode="pull"), numerics, d)
+  xs = jax.ShapeDtypeStruct((d, 256 * d, 256), jnp.bfloat16)
+  ws = jax.ShapeDtypeStruct((d, 256, 512), jnp.bfloat16)
+  for ablate in ((), ("comm",), ("gemm",)):
+    jax.export.export(jax.jit(functools.partial(
+        fused.loopback_matmul_reduce_scatter, config=cfg, ablate=ablate)), platforms=["cuda"])(
+            xs, ws)
+
+
+def test_pull_over_nvlink_needs_remote_tma_loads():
+  """On NVLink the pull is a TMA load from a peer: it lowers where Mosaic GPU supports that
+  (jax >= fused.REMOTE_TMA_LOAD_JAX) and is refused, naming the version, elsewhere."""
+  cfg = config_lib.Config(comm_ctas=2, comm_mode="pull")
+  if fused.remote_tma_loads_supported():
+    _export_shard_map(1024, 1024, 1024, 2, config=cfg)
+  else:
+    with pytest.raises(NotImplementedError, match="comm_mode='pull'"):
+      _export_shard_map(1024, 1024, 1024, 2, config=cfg)

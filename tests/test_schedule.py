@@ -15,9 +15,9 @@ def _tiles(case, d):
   return (case.m // d // cfg.cta_tile_m) * (case.n // cfg.cta_tile_n)
 
 
-def _check(d, tiles, num_ctas, comm_ctas=0, eager=0):
+def _check(d, tiles, num_ctas, comm_ctas=0, eager=0, pull=False):
   result = schedule.simulate(num_ctas=num_ctas, num_devices=d, tiles_per_chunk=tiles,
-                             comm_ctas=comm_ctas, eager_signal_steps=eager)
+                             comm_ctas=comm_ctas, eager_signal_steps=eager, pull=pull)
   trace = result["trace"]
   computed = collections.Counter((e.rank, e.dst, e.tile) for e in trace if e.kind == "compute")
   # Every rank computes every tile of every chunk exactly once.
@@ -30,13 +30,17 @@ def _check(d, tiles, num_ctas, comm_ctas=0, eager=0):
   # Every output tile is produced (reduced) exactly once, by its owner.
   reduced = collections.Counter((e.rank, e.tile) for e in trace if e.kind == "reduce")
   assert set(reduced.values()) == {1} and len(reduced) == d * tiles
-  # Every receive slot is written exactly once, by the source the slot names.
-  stores = collections.Counter((e.dst, e.slot, e.tile) for e in trace
-                               if e.kind == "store" and e.slot >= 0)
+  # Every receive slot is written exactly once, with the partial of the source it names:
+  # pushed by that source, or pulled from it by the owner.
+  writes = [(e.dst, e.rank) if e.kind == "store" else (e.rank, e.dst)  # (owner, source)
+            for e in trace if (e.kind == "store" and e.slot >= 0) or e.kind == "pull"]
+  slots = [(e, w) for e, w in zip([e for e in trace if (e.kind == "store" and e.slot >= 0)
+                                   or e.kind == "pull"], writes)]
+  stores = collections.Counter((owner, e.slot, e.tile) for e, (owner, _) in slots)
   assert set(stores.values()) == {1} and len(stores) == d * (d - 1) * tiles
-  for e in trace:
-    if e.kind == "store" and e.slot >= 0:
-      assert schedule.source_of_slot(e.dst, e.slot, d) == e.rank
+  for e, (owner, source) in slots:
+    assert schedule.source_of_slot(owner, e.slot, d) == source
+  assert not pull or all(e.kind == "pull" for e, _ in slots)
   staged = collections.Counter((e.rank, e.slot, e.tile) for e in trace if e.kind == "stage")
   if comm_ctas and d > 1:  # Every remote tile is staged once, then pushed once.
     assert set(staged.values()) == {1} and len(staged) == d * (d - 1) * tiles
@@ -137,10 +141,62 @@ def test_eager_signal_follows_the_store():
     (2, 64, 132, 2), (2, 1024, 132, 4), (8, 16, 132, 8), (4, 7, 64, 3), (8, 3, 16, 1),
     (2, 1, 4, 2), (8, 1, 132, 16)])
 @pytest.mark.parametrize("eager", [0, 1])
-def test_comm_ctas(d, tiles, ctas, comm, eager):
-  """Staging + dedicated comm CTAs: no deadlock, every tile staged, pushed and announced once,
-  including comm CTAs with no tile (comm > tiles) and the signal lag's drain."""
-  _check(d, tiles, ctas, comm_ctas=comm, eager=eager)
+@pytest.mark.parametrize("pull", [False, True])
+def test_comm_ctas(d, tiles, ctas, comm, eager, pull):
+  """Staging + dedicated comm CTAs, pushing or pulling: no deadlock, every tile staged, moved
+  and announced once, including comm CTAs with no tile (comm > tiles) and the lag's drain."""
+  _check(d, tiles, ctas, comm_ctas=comm, eager=eager, pull=pull)
+
+
+def test_pull_before_staging_is_caught(monkeypatch):
+  real = schedule._pull_program  # pylint: disable=protected-access
+
+  def no_wait(*args, **kwargs):
+    return [e for e in real(*args, **kwargs) if e.kind != "wait_staged"]
+
+  monkeypatch.setattr(schedule, "_pull_program", no_wait)
+  with pytest.raises(RuntimeError, match="before it was staged"):
+    schedule.simulate(num_ctas=8, num_devices=2, tiles_per_chunk=32, comm_ctas=2, pull=True)
+
+
+def test_pull_exit_handshake_is_needed(monkeypatch):
+  """Signalling 'done' before the pulls lets a peer exit while still being read: caught."""
+  real = schedule._pull_program  # pylint: disable=protected-access
+
+  def early_done(*args, **kwargs):
+    events = real(*args, **kwargs)
+    done = [e for e in events if e.kind in ("signal_done", "wait_done")]
+    return done + [e for e in events if e.kind not in ("signal_done", "wait_done")]
+
+  monkeypatch.setattr(schedule, "_pull_program", early_done)
+  with pytest.raises(RuntimeError, match="after it exited"):
+    schedule.simulate(num_ctas=8, num_devices=2, tiles_per_chunk=32, comm_ctas=2, pull=True)
+
+
+@pytest.mark.parametrize("sets", [1, 2, 3, 4])
+@pytest.mark.parametrize("count", [1, 2, 5, 17])
+def test_pull_buffer_reuse(sets, count):
+  """A model of a pulling warpgroup (kernel.pull_program): loads run `prefetch` blocks ahead
+  into buffer j % sets, each after waiting until at most `reuse_wait` local stores are unread;
+  no load may overwrite a buffer whose store is still unread, every block is loaded before
+  its store."""
+  prefetch, reuse_wait = schedule.comm_prefetch(sets)
+  assert 1 <= prefetch and 0 <= reuse_wait < sets
+  unread, loaded = [], {}
+
+  def load(j):
+    while len(unread) > reuse_wait:
+      unread.pop(0)
+    assert all(t % sets != j % sets for t in unread), (j, unread)
+    loaded[j] = j % sets
+
+  for j in range(min(prefetch, count)):
+    load(j)
+  for j in range(count):
+    assert j in loaded
+    unread.append(j)
+    if j + prefetch < count:
+      load(j + prefetch)
 
 
 def test_comm_ctas_need_a_compute_cta():
