@@ -189,9 +189,12 @@ def main(argv):
         row["configs"][vname] = tuning.config_to_json(cfg)
         # "_nogemm": the kernel without its mainloop, i.e. its data movement alone; with comm
         # CTAs that is their push rate inside the kernel (comm_gbps below).
-        ablations = ((), ("comm",)) + ((("gemm",),) if cfg.comm_ctas else ())
+        # "_nogemm_nowait": also without the comm CTAs' per-tile staged waits (their cost).
+        ablations = ((), ("comm",)) + (
+            (("gemm",), ("gemm", "stage_wait")) if cfg.comm_ctas else ())
         for ablate in ablations:
-          key = vname + {(): "", ("comm",): "_nocomm", ("gemm",): "_nogemm"}[ablate]
+          key = vname + {(): "", ("comm",): "_nocomm", ("gemm",): "_nogemm",
+                         ("gemm", "stage_wait"): "_nogemm_nowait"}[ablate]
           t0 = time.time()
           try:
             fn = fused_fn(cfg, ablate)
@@ -202,13 +205,14 @@ def main(argv):
           print(label, key, f"{time.time() - t0:.1f}s", flush=True)
       # Bytes each GPU sends: its D - 1 peer chunks of partials.
       for vname, cfg_json in row["configs"].items():
-        times = row["times_us"].get(vname + "_nogemm")
-        if times:
-          itemsize = 4 if cfg_json["partial_dtype"] == "float32" else 2
-          sent = (d - 1) * (m // d) * n * itemsize
-          gbps = sent / (statistics.median(times) * 1e3)
-          row.setdefault("comm_gbps", {})[vname] = dict(
-              total=gbps, per_comm_cta=gbps / cfg_json["comm_ctas"], bytes_per_gpu=sent)
+        for suffix in ("_nogemm", "_nogemm_nowait"):
+          times = row["times_us"].get(vname + suffix)
+          if times:
+            itemsize = 4 if cfg_json["partial_dtype"] == "float32" else 2
+            sent = (d - 1) * (m // d) * n * itemsize
+            gbps = sent / (statistics.median(times) * 1e3)
+            row.setdefault("comm_gbps" + suffix[len("_nogemm"):], {})[vname] = dict(
+                total=gbps, per_comm_cta=gbps / cfg_json["comm_ctas"], bytes_per_gpu=sent)
       record["rows"].append(row)
       save()
       med = {k_: statistics.median(v) for k_, v in row["times_us"].items()}
@@ -230,7 +234,10 @@ def main(argv):
                for v in _VARIANTS.value]
       print(head, " ".join(cells))
       for v, g in r.get("comm_gbps", {}).items():
-        print(f"{'':30} {v}: comm alone {g['total']:.0f} GB/s, {g['per_comm_cta']:.1f} per comm CTA")
+        g2 = r.get("comm_gbps_nowait", {}).get(v)
+        extra = f"; without staged waits {g2['per_comm_cta']:.1f}" if g2 else ""
+        print(f"{'':30} {v}: comm alone {g['total']:.0f} GB/s, {g['per_comm_cta']:.1f} per "
+              f"comm CTA{extra}")
   print("wrote", out_path)
 
 

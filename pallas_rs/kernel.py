@@ -32,7 +32,7 @@ def _swizzled(block_minor_elems: int, dtype) -> tuple:
   return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-ABLATIONS = frozenset({"comm", "reduce", "gemm"})
+ABLATIONS = frozenset({"comm", "reduce", "gemm", "stage_wait"})
 
 
 def _round(x, dtype):
@@ -61,7 +61,8 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
   the pushes, signals and waits (same local traffic, no NVLink, no synchronisation); "reduce"
   keeps the waits but not the loads and adds of the received partials; "gemm" skips the
   mainloop (every epilogue handles a tile of zeros), so that the kernel's time is that of its
-  data movement (the comm CTAs' push rate, measured inside the kernel).
+  data movement (the comm CTAs' push rate, measured inside the kernel); "stage_wait" drops the
+  comm CTAs' per-tile wait for a staged tile (with "gemm": the cost of those waits).
   """
   assert skip <= ABLATIONS, skip
   d = num_devices
@@ -87,6 +88,7 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
   epi_transforms = _swizzled(epi_n, out_dtype)
   part_transforms = _swizzled(epi_n, part_dtype)
   pull = bool(num_comm) and config.comm_mode == "pull"
+  stage_wait = "stage_wait" not in skip
   where = schedule.SemLayout(d, tiles, num_comm, pull)
   sems = transport.semaphores(where.shape) if d > 1 else None
   first_eager = schedule.first_eager_step(d, config.eager_signal_steps)
@@ -339,7 +341,7 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
           def push(j, carry, o=o, step=step, src=src, dst=dst):
             q = j // blocks
 
-            @pl.when(lax.rem(j, blocks) == 0)
+            @pl.when((lax.rem(j, blocks) == 0) & stage_wait)
             def _():
               transport.wait(sems, rank, where.staged(step, tile_of(q), wg_idx), 1, local=True)
             part = src.at[block(j)][...]
@@ -408,7 +410,7 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
           dst = recv_local.at[schedule.recv_slot(step)]
 
           def load(j, step=step, src=src):
-            @pl.when(lax.rem(j, blocks) == 0)
+            @pl.when((lax.rem(j, blocks) == 0) & stage_wait)
             def _():
               transport.wait(sems, rank, where.staged(step, tile_of(j // blocks), wg_idx), 1)
             b = lax.rem(j, sets)

@@ -147,3 +147,74 @@ def device_reference(xs, ws) -> jax.Array:
   ref = jnp.einsum("dmk,dkn->mn", xs.astype(jnp.float32), ws.astype(jnp.float32),
                    precision=jax.lax.Precision.HIGHEST)
   return ref.reshape(d, m // d, -1)
+
+
+# Input families of the numerics experiments (pallas_rs.numerics re-exports them).
+FAMILIES = ("gaussian", "channel_scaled", "outliers", "llm_weights")
+# channel_scaled: per-channel (column of x) scale exp(N(0, CHANNEL_LOG_SIGMA^2)).
+CHANNEL_LOG_SIGMA = 1.0
+# outliers: this many channels of x scaled by a log-uniform factor in OUTLIER_SCALE.
+NUM_OUTLIER_CHANNELS = 4
+OUTLIER_SCALE = (10.0, 100.0)
+# llm_weights: w Laplace with standard deviation WEIGHT_STD (trained-weight magnitude; heavier
+# tails than a Gaussian, cheap to sample on device).
+WEIGHT_STD = 0.02
+
+
+def family_scales(key, family, k: int):
+  """(per-channel scale of x [k] (float32), weight sampler name) for `family`.
+
+  `family` is a name or an int index into FAMILIES (a traced int selects with lax.switch).
+  """
+
+  def gaussian(key):
+    del key
+    return jnp.ones((k,), jnp.float32)
+
+  def channel_scaled(key):
+    return jnp.exp(CHANNEL_LOG_SIGMA * jax.random.normal(key, (k,), jnp.float32))
+
+  def outliers(key):
+    kc, ks = jax.random.split(key)
+    idx = jax.random.choice(kc, k, (NUM_OUTLIER_CHANNELS,), replace=False)
+    lo, hi = np.log(OUTLIER_SCALE[0]), np.log(OUTLIER_SCALE[1])
+    s = jnp.exp(jax.random.uniform(ks, (NUM_OUTLIER_CHANNELS,), jnp.float32, lo, hi))
+    return jnp.ones((k,), jnp.float32).at[idx].set(s)
+
+  branches = [gaussian, channel_scaled, outliers, gaussian]  # llm_weights: x as gaussian
+  if isinstance(family, str):
+    return branches[FAMILIES.index(family)](key)
+  return jax.lax.switch(family, branches, key)
+
+
+def family_inputs(key, family, *, m: int, k: int, n: int):
+  """Global bf16 x [m, k] and w [k, n] of `family` (name or int index, traced or not).
+
+  gaussian:       x ~ N(0, 1), w ~ N(0, 1) / sqrt(k) (outputs O(1)).
+  channel_scaled: x[:, c] ~ N(0, s_c^2), s_c = exp(CHANNEL_LOG_SIGMA * N(0, 1)) (per-channel
+                  activation scales, as after a norm layer's gain); w as gaussian.
+  outliers:       as gaussian, with NUM_OUTLIER_CHANNELS random channels of x scaled by a
+                  log-uniform factor in OUTLIER_SCALE (10-100x, as LLM activations have).
+  llm_weights:    x ~ N(0, 1), w ~ Laplace with std WEIGHT_STD (trained-weight scale, heavy
+                  tails; outputs O(WEIGHT_STD * sqrt(k)), not O(1)).
+  """
+  kx, kw, ks = jax.random.split(key, 3)
+  scale = family_scales(ks, family, k)
+  x = jax.random.normal(kx, (m, k), jnp.float32) * scale[None, :]
+
+  def w_gauss(kw):
+    return jax.random.normal(kw, (k, n), jnp.float32) / np.sqrt(k)
+
+  def w_llm(kw):
+    return (WEIGHT_STD / np.sqrt(2.0)) * jax.random.laplace(kw, (k, n), jnp.float32)
+
+  w_branches = [w_gauss, w_gauss, w_gauss, w_llm]
+  if isinstance(family, str):
+    w = w_branches[FAMILIES.index(family)](kw)
+  else:
+    w = jax.lax.switch(family, w_branches, kw)
+  # Round with reduce_precision before the cast: XLA (excess precision, on by default) may elide
+  # a later convert(convert(v, bf16), f32) pair, e.g. in an fp32 reference computed from these
+  # inputs, and would then see the unrounded fp32 values; rounded values survive that.
+  rnd = lambda v: jax.lax.reduce_precision(v, exponent_bits=8, mantissa_bits=7)
+  return rnd(x).astype(jnp.bfloat16), rnd(w).astype(jnp.bfloat16)

@@ -30,7 +30,10 @@ def test_variant_names(overlap_probe):
   assert (c4.comm_ctas, c4.partial_dtype, c4.epi_tile_n) == (4, "bfloat16", 64)
   o4 = overlap_probe.variant_config(base, "o4_bf16")
   assert o4.num_out_slots == 4 and o4.fits_smem(2)
-  assert overlap_probe.variant_config(base, "o4").partial_dtype == "float32"
+  assert overlap_probe.variant_config(base, "o4").numerics == base.numerics == "unfused_order"
+  assert overlap_probe.variant_config(base, "o4_f32").partial_dtype == "float32"
+  p4 = overlap_probe.variant_config(base, "p4_ring")
+  assert (p4.comm_ctas, p4.comm_mode, p4.numerics) == (4, "pull", "unfused_order")
   with pytest.raises(ValueError, match="unknown variant token"):
     overlap_probe.variant_config(base, "x9")
 
@@ -53,7 +56,8 @@ def test_overlap_probe_plumbing(tmp_path):
   (row,) = result["rows"]
   assert row["d"] == 8
   assert set(row["times_us"]) == {"xla_gemm", "xla_comm", "xla_seq", "v1_bf16", "v1_bf16_nocomm",
-                                  "c2_bf16", "c2_bf16_nocomm", "c2_bf16_nogemm"}
+                                  "c2_bf16", "c2_bf16_nocomm", "c2_bf16_nogemm",
+                                  "c2_bf16_nogemm_nowait"}
   assert row["configs"]["c2_bf16"]["comm_ctas"] == 2
   rate = row["comm_gbps"]["c2_bf16"]  # From the stand-in's times: plumbing only.
   assert rate["bytes_per_gpu"] == 7 * (row["m"] // 8) * row["n"] * 2
