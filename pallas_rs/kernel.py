@@ -20,6 +20,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
+from pallas_rs import comm as comm_lib
 from pallas_rs import schedule
 from pallas_rs.config import Config
 
@@ -65,6 +66,8 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
   comm CTAs' per-tile wait for a staged tile (with "gemm": the cost of those waits).
   """
   assert skip <= ABLATIONS, skip
+  # The ablation hooks, decided here once (empty `skip`: every stage runs).
+  comm_on, reduce_on, gemm_on = ("comm" not in skip), ("reduce" not in skip), ("gemm" not in skip)
   d = num_devices
   rank = transport.rank()
   x_gmem, w_gmem, out_gmem, recv_local, stage_local = transport.bind(
@@ -88,7 +91,6 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
   epi_transforms = _swizzled(epi_n, out_dtype)
   part_transforms = _swizzled(epi_n, part_dtype)
   pull = bool(num_comm) and config.comm_mode == "pull"
-  stage_wait = "stage_wait" not in skip
   where = schedule.SemLayout(d, tiles, num_comm, pull)
   sems = transport.semaphores(where.shape) if d > 1 else None
   first_eager = schedule.first_eager_step(d, config.eager_signal_steps)
@@ -177,7 +179,7 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
         """The own tile's sum of all D partials -> out_dtype sub-tiles (config.owner_sum):
         "fp32": acc (f32) + the received partials in slot order, rounded once;
         "bf16_ring": the unfused path's arithmetic, schedule.ring_slots."""
-        if "comm" not in skip:
+        if comm_on:
           if num_comm:  # Each slot's tiles arrive in the order its comm CTA moves them.
             c, need = tile % num_comm, tile // num_comm + 1
             for slot in range(d - 1):
@@ -185,7 +187,7 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
           else:
             transport.wait(sems, rank, where.arrived(tile, wg_idx), d - 1)
         loads = [(mi, ni, j) for mi, ni in epi_tiles for j in slot_order]
-        if "reduce" in skip:
+        if not reduce_on:
           loads = []
 
         def issue(i):
@@ -238,7 +240,7 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
             eval_pipeline(acc_ref)
             # The previous tile's stores had this tile's whole mainloop to land.
             plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-            if d > 1 and "comm" not in skip:
+            if d > 1 and comm_on:
               prev_step, prev_tile = schedule.step_and_tile(lin_idx - num_compute, tiles)
               @pl.when((local_step > 0) & (prev_step < first_eager))
               def _():
@@ -267,13 +269,13 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
                   @pl.when(offset == o)
                   def _():
                     if not num_comm:
-                      if "comm" in skip:
+                      if not comm_on:
                         dst_recv = recv_local
                       else:
                         dst_recv = transport.peer_recv(recv_gmem, rank, o)
                       store_tile(subs, send_smem,
                                  dst_recv.at[schedule.recv_slot(o - 1)].at[slices])
-                    if "comm" not in skip and o - 1 >= first_eager:
+                    if comm_on and o - 1 >= first_eager:
                       # Offset o is computed at step o - 1 (static here). An eager step waits
                       # for its store and announces the tile now (schedule.py).
                       plgpu.wait_smem_to_gmem(0, wait_read_only=False)
@@ -284,7 +286,7 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
           plgpu.wgmma_wait(0)
           return acc_ref
 
-        if "gemm" in skip:
+        if not gemm_on:
           @pl.when(wg_idx < _NUM_COMPUTE_WGS)
           def _():
             compute_context(lambda acc_ref: None)  # The epilogue of a tile of zeros.
@@ -299,176 +301,23 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
       count = _strided_loop(cta_index, num_compute, total, tile_body)
       # Announce this CTA's last tile if it went to a peer with a deferred signal.
       plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-      if d > 1 and "comm" not in skip:
+      if d > 1 and comm_on:
         last_step, last_tile = schedule.step_and_tile(cta_index + (count - 1) * num_compute,
                                                       tiles)
         @pl.when((wg_idx < _NUM_COMPUTE_WGS) & (count > 0) & (last_step < first_eager))
         def _():
           announce(last_step, last_tile)
 
-  def comm_program(comm_index):
-    """Comm CTA `comm_index` of `num_comm` (kernel v3, docs/design.md section 3.2): for each
-    peer in schedule order, pushes the staged tiles comm_index, +num_comm, ... to the owner's
-    receive slot and signals the owner once they have landed. Warpgroup w moves compute
-    warpgroup w's half tile in row blocks of `comm_rows`: registers <- local staging (LSU
-    loads), -> one of `sets` SMEM buffers -> the owner (TMA store). The local reads are not
-    TMA loads because an SM's TMA load waits until its own earlier remote TMA stores have
-    drained (measured, section 8 of the shared design): LSU loads keep the stores streaming."""
-    sets = config.comm_buffer_sets
-    rows = config.comm_rows
-    blocks = tile_m // rows
-    lag, batch = schedule.COMM_SIGNAL_LAG, schedule.COMM_SIGNAL_BATCH
-    comm_scoped = dict(buf=plgpu.SMEM((_NUM_COMPUTE_WGS, sets, rows, tile_n), part_dtype))
+  if num_comm and comm_on:
+    ctx = comm_lib.CommContext(
+        config=config, num_devices=d, num_comm=num_comm, rank=rank, transport=transport,
+        sems=sems, where=where, tiles=tiles, part_dtype=part_dtype, tile_slices=tile_slices,
+        recv_gmem=recv_gmem, recv_local=recv_local, stage_gmem=stage_gmem,
+        stage_local=stage_local, stage_wait="stage_wait" not in skip)
 
-    @functools.partial(pl.run_scoped, collective_axes="wg", **comm_scoped)
-    def _scope(buf):
-      wg_idx = lax.axis_index("wg")
-
-      @pl.when(wg_idx < _NUM_COMPUTE_WGS)
-      def _pusher():
-        num_tiles = jnp.maximum(tiles - comm_index + num_comm - 1, 0) // num_comm
-        tile_of = lambda q: comm_index + q * num_comm
-
-        def block(j):
-          rs, cs = tile_slices(tile_of(j // blocks), wg_idx)[1]
-          return pl.ds(rs.start + lax.rem(j, blocks) * rows, rows), cs
-
-        for o in range(1, d):  # Static peers: see transport.py.
-          step = o - 1
-          src = stage_local.at[step]
-          dst = transport.peer_recv(recv_gmem, rank, o).at[schedule.recv_slot(step)]
-
-          def push(j, carry, o=o, step=step, src=src, dst=dst):
-            q = j // blocks
-
-            @pl.when((lax.rem(j, blocks) == 0) & stage_wait)
-            def _():
-              transport.wait(sems, rank, where.staged(step, tile_of(q), wg_idx), 1, local=True)
-            part = src.at[block(j)][...]
-            b = lax.rem(j, sets)
-            # Buffer b last held block j - sets: its store must have read it.
-            plgpu.wait_smem_to_gmem(schedule.comm_reuse_wait(sets), wait_read_only=True)
-            buf[wg_idx, b] = part
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(buf.at[wg_idx, b], dst.at[block(j)])
-
-            landed = q - lag + 1  # tiles that have landed once tile q's stores are issued
-
-            @pl.when((lax.rem(j, blocks) == blocks - 1) & (landed > 0)
-                     & (lax.rem(landed, batch) == 0))
-            def _():
-              # At most `lag` later tiles' stores are pending, so tiles up to q - lag have
-              # landed: announce the last `batch` of them with one signal (its system-scope
-              # fence costs microseconds: once per batch, not per tile).
-              plgpu.wait_smem_to_gmem(lag * blocks, wait_read_only=False)
-              transport.signal(sems, rank, o, where.delivered(step, comm_index, wg_idx), batch)
-            return carry
-
-          lax.fori_loop(0, num_tiles * blocks, push, None)
-          plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-          rest = num_tiles - jnp.maximum(num_tiles - lag, 0) // batch * batch
-          for r in range(1, lag + batch):  # A signal's increment must be static.
-            @pl.when(rest == r)
-            def _(o=o, step=step, r=r):
-              transport.signal(sems, rank, o, where.delivered(step, comm_index, wg_idx), r)
-
-  def pull_program(comm_index):
-    """Comm CTA `comm_index` of `num_comm` for this rank as owner (kernel v3 pull, docs/design.md
-    section 3.2): for each remote step s in order (the peer at offset D - 1 - s computes this
-    rank's chunk at its step s), TMA-loads that peer's staged partials of tiles comm_index,
-    +num_comm, ... over NVLink and TMA-stores them into local receive slot s, `prefetch`
-    blocks of loads in flight per warpgroup; announces each landed tile to the own compute
-    CTAs; then tells every peer it is done reading the peer's staging buffer, and comm CTA 0
-    waits until every peer is done with this rank's. No remote store is ever issued here, so
-    no load queues behind one (the head-of-line effect, section 3.2)."""
-    sets = config.comm_buffer_sets
-    prefetch, reuse_wait = schedule.comm_prefetch(sets)
-    rows = config.comm_rows
-    blocks = tile_m // rows
-    lag = schedule.COMM_SIGNAL_LAG
-    comm_scoped = dict(
-        buf=plgpu.SMEM((_NUM_COMPUTE_WGS, sets, rows, tile_n), part_dtype),
-        barrier=plgpu.Barrier(num_barriers=_NUM_COMPUTE_WGS * sets),
-    )
-
-    @functools.partial(pl.run_scoped, collective_axes="wg", **comm_scoped)
-    def _scope(buf, barrier):
-      wg_idx = lax.axis_index("wg")
-
-      @pl.when(wg_idx < _NUM_COMPUTE_WGS)
-      def _puller():
-        num_tiles = jnp.maximum(tiles - comm_index + num_comm - 1, 0) // num_comm
-        count = num_tiles * blocks
-        tile_of = lambda q: comm_index + q * num_comm
-
-        def block(j):
-          rs, cs = tile_slices(tile_of(j // blocks), wg_idx)[1]
-          return pl.ds(rs.start + lax.rem(j, blocks) * rows, rows), cs
-
-        for step in range(d - 1):  # Static peers: see transport.py.
-          src = transport.peer_stage(stage_gmem, rank, d - 1 - step).at[step]
-          dst = recv_local.at[schedule.recv_slot(step)]
-
-          def load(j, step=step, src=src):
-            @pl.when((lax.rem(j, blocks) == 0) & stage_wait)
-            def _():
-              transport.wait(sems, rank, where.staged(step, tile_of(j // blocks), wg_idx), 1)
-            b = lax.rem(j, sets)
-            plgpu.copy_gmem_to_smem(src.at[block(j)], buf.at[wg_idx, b],
-                                    barrier.at[wg_idx * sets + b])
-
-          for i in range(prefetch):
-            @pl.when(i < count)
-            def _(i=i, load=load):
-              load(i)
-
-          def move(j, carry, step=step, dst=dst, load=load):
-            b = lax.rem(j, sets)
-            plgpu.barrier_wait(barrier.at[wg_idx * sets + b])
-            plgpu.copy_smem_to_gmem(buf.at[wg_idx, b], dst.at[block(j)])
-
-            @pl.when(j + prefetch < count)
-            def _():
-              # Buffer (j + prefetch) % sets last held block j + prefetch - sets; the stores
-              # issued after it may still read SMEM, it may not (schedule.comm_prefetch).
-              plgpu.wait_smem_to_gmem(reuse_wait, wait_read_only=True)
-              load(j + prefetch)
-
-            q = j // blocks
-
-            @pl.when((lax.rem(j, blocks) == blocks - 1) & (q >= lag))
-            def _():
-              # Tile q - lag has landed locally once at most `lag` later tiles' stores pend.
-              plgpu.wait_smem_to_gmem(lag * blocks, wait_read_only=False)
-              transport.signal_local(sems, rank, where.delivered(step, comm_index, wg_idx))
-            return carry
-
-          lax.fori_loop(0, count, move, None)
-          plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-
-          def drain(q, carry, step=step):
-            transport.signal_local(sems, rank, where.delivered(step, comm_index, wg_idx))
-            return carry
-
-          lax.fori_loop(jnp.maximum(num_tiles - lag, 0), num_tiles, drain, None)
-
-        # Each load was waited on before its store: this warpgroup reads no peer any more.
-        for o in range(1, d):
-          transport.signal(sems, rank, o, where.done())
-
-        @pl.when((comm_index == 0) & (wg_idx == 0))
-        def _():
-          # Peers may still read this rank's staging buffer; XLA may reuse it once the kernel
-          # exits.
-          transport.wait(sems, rank, where.done(), (d - 1) * num_comm * _NUM_COMPUTE_WGS)
-
-  if num_comm and "comm" not in skip:
     @pl.when(cta < num_comm)
     def _comm():
-      if pull:
-        pull_program(cta)
-      else:
-        comm_program(cta)
+      (comm_lib.pull_program if pull else comm_lib.push_program)(ctx, cta)
 
   if num_comm:
     @pl.when(cta >= num_comm)

@@ -1,0 +1,210 @@
+"""The comm CTAs of kernel v3 (docs/design.md section 3.2): the few CTAs per rank that move
+the staged partial tiles while the compute CTAs run the GEMM and never touch NVLink.
+
+`push_program`: the source's comm CTAs copy its staged tiles into the owners' receive slots.
+`pull_program`: the owner's comm CTAs TMA-load the sources' staged tiles into their own receive
+slots (no remote store on their SMs; needs remote TMA loads, fused.REMOTE_TMA_LOAD_JAX).
+Both move one comm copy (config.comm_rows rows of a warpgroup's half tile, <= 32 KB) at a time
+through SMEM and announce landed tiles on the owner's per-(slot, comm CTA) counters
+(schedule.SemLayout); both are simulated as data by schedule.simulate.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+from jax import lax
+import jax.numpy as jnp
+
+from pallas_rs import schedule
+from pallas_rs.config import Config
+
+_NUM_COMPUTE_WGS = schedule.NUM_COMPUTE_WGS
+
+
+@dataclasses.dataclass(frozen=True)
+class CommContext:
+  """What a comm CTA shares with the rest of one rank's kernel (kernel.kernel_body)."""
+  config: Config
+  num_devices: int
+  num_comm: int
+  rank: Any
+  transport: Any
+  sems: Any
+  where: schedule.SemLayout
+  tiles: int  # output tiles per row chunk
+  part_dtype: Any
+  tile_slices: Callable  # (tile, wg) -> (n_idx, (rows, cols)) within a [chunk, n] array
+  recv_gmem: Any  # the receive slots as the transport addresses peers' (unbound)
+  recv_local: Any  # this rank's receive slots [D - 1, chunk, n]
+  stage_gmem: Any
+  stage_local: Any  # this rank's staged partials [D - 1, chunk, n]
+  stage_wait: bool = True  # False only for the "stage_wait" timing ablation
+
+
+def push_program(ctx: CommContext, comm_index):
+  """Comm CTA `comm_index` of `num_comm` (kernel v3, docs/design.md section 3.2): for each
+  peer in schedule order, pushes the staged tiles comm_index, +num_comm, ... to the owner's
+  receive slot and signals the owner once they have landed. Warpgroup w moves compute
+  warpgroup w's half tile in row blocks of `comm_rows`: registers <- local staging (LSU
+  loads), -> one of `sets` SMEM buffers -> the owner (TMA store). The local reads are not
+  TMA loads because an SM's TMA load waits until its own earlier remote TMA stores have
+  drained (measured, section 8 of the shared design): LSU loads keep the stores streaming."""
+  config, d, num_comm, tiles = ctx.config, ctx.num_devices, ctx.num_comm, ctx.tiles
+  rank, transport, sems, where = ctx.rank, ctx.transport, ctx.sems, ctx.where
+  part_dtype, tile_slices, stage_wait = ctx.part_dtype, ctx.tile_slices, ctx.stage_wait
+  tile_m, tile_n = config.tile_m, config.tile_n
+  sets = config.comm_buffer_sets
+  rows = config.comm_rows
+  blocks = tile_m // rows
+  lag, batch = schedule.COMM_SIGNAL_LAG, schedule.COMM_SIGNAL_BATCH
+  comm_scoped = dict(buf=plgpu.SMEM((_NUM_COMPUTE_WGS, sets, rows, tile_n), part_dtype))
+
+  @functools.partial(pl.run_scoped, collective_axes="wg", **comm_scoped)
+  def _scope(buf):
+    wg_idx = lax.axis_index("wg")
+
+    @pl.when(wg_idx < _NUM_COMPUTE_WGS)
+    def _pusher():
+      num_tiles = jnp.maximum(tiles - comm_index + num_comm - 1, 0) // num_comm
+      tile_of = lambda q: comm_index + q * num_comm
+
+      def block(j):
+        rs, cs = tile_slices(tile_of(j // blocks), wg_idx)[1]
+        return pl.ds(rs.start + lax.rem(j, blocks) * rows, rows), cs
+
+      for o in range(1, d):  # Static peers: see transport.py.
+        step = o - 1
+        src = ctx.stage_local.at[step]
+        dst = transport.peer_recv(ctx.recv_gmem, rank, o).at[schedule.recv_slot(step)]
+
+        def push(j, carry, o=o, step=step, src=src, dst=dst):
+          q = j // blocks
+
+          @pl.when((lax.rem(j, blocks) == 0) & stage_wait)
+          def _():
+            transport.wait(sems, rank, where.staged(step, tile_of(q), wg_idx), 1, local=True)
+          part = src.at[block(j)][...]
+          b = lax.rem(j, sets)
+          # Buffer b last held block j - sets: its store must have read it.
+          plgpu.wait_smem_to_gmem(schedule.comm_reuse_wait(sets), wait_read_only=True)
+          buf[wg_idx, b] = part
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(buf.at[wg_idx, b], dst.at[block(j)])
+
+          landed = q - lag + 1  # tiles that have landed once tile q's stores are issued
+
+          @pl.when((lax.rem(j, blocks) == blocks - 1) & (landed > 0)
+                   & (lax.rem(landed, batch) == 0))
+          def _():
+            # At most `lag` later tiles' stores are pending, so tiles up to q - lag have
+            # landed: announce the last `batch` of them with one signal (its system-scope
+            # fence costs microseconds: once per batch, not per tile).
+            plgpu.wait_smem_to_gmem(lag * blocks, wait_read_only=False)
+            transport.signal(sems, rank, o, where.delivered(step, comm_index, wg_idx), batch)
+          return carry
+
+        lax.fori_loop(0, num_tiles * blocks, push, None)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+        rest = num_tiles - jnp.maximum(num_tiles - lag, 0) // batch * batch
+        for r in range(1, lag + batch):  # A signal's increment must be static.
+          @pl.when(rest == r)
+          def _(o=o, step=step, r=r):
+            transport.signal(sems, rank, o, where.delivered(step, comm_index, wg_idx), r)
+
+def pull_program(ctx: CommContext, comm_index):
+  """Comm CTA `comm_index` of `num_comm` for this rank as owner (kernel v3 pull, docs/design.md
+  section 3.2): for each remote step s in order (the peer at offset D - 1 - s computes this
+  rank's chunk at its step s), TMA-loads that peer's staged partials of tiles comm_index,
+  +num_comm, ... over NVLink and TMA-stores them into local receive slot s, `prefetch`
+  blocks of loads in flight per warpgroup; announces each landed tile to the own compute
+  CTAs; then tells every peer it is done reading the peer's staging buffer, and comm CTA 0
+  waits until every peer is done with this rank's. No remote store is ever issued here, so
+  no load queues behind one (the head-of-line effect, section 3.2)."""
+  config, d, num_comm, tiles = ctx.config, ctx.num_devices, ctx.num_comm, ctx.tiles
+  rank, transport, sems, where = ctx.rank, ctx.transport, ctx.sems, ctx.where
+  part_dtype, tile_slices, stage_wait = ctx.part_dtype, ctx.tile_slices, ctx.stage_wait
+  tile_m, tile_n = config.tile_m, config.tile_n
+  sets = config.comm_buffer_sets
+  prefetch, reuse_wait = schedule.comm_prefetch(sets)
+  rows = config.comm_rows
+  blocks = tile_m // rows
+  lag = schedule.COMM_SIGNAL_LAG
+  comm_scoped = dict(
+      buf=plgpu.SMEM((_NUM_COMPUTE_WGS, sets, rows, tile_n), part_dtype),
+      barrier=plgpu.Barrier(num_barriers=_NUM_COMPUTE_WGS * sets),
+  )
+
+  @functools.partial(pl.run_scoped, collective_axes="wg", **comm_scoped)
+  def _scope(buf, barrier):
+    wg_idx = lax.axis_index("wg")
+
+    @pl.when(wg_idx < _NUM_COMPUTE_WGS)
+    def _puller():
+      num_tiles = jnp.maximum(tiles - comm_index + num_comm - 1, 0) // num_comm
+      count = num_tiles * blocks
+      tile_of = lambda q: comm_index + q * num_comm
+
+      def block(j):
+        rs, cs = tile_slices(tile_of(j // blocks), wg_idx)[1]
+        return pl.ds(rs.start + lax.rem(j, blocks) * rows, rows), cs
+
+      for step in range(d - 1):  # Static peers: see transport.py.
+        src = transport.peer_stage(ctx.stage_gmem, rank, d - 1 - step).at[step]
+        dst = ctx.recv_local.at[schedule.recv_slot(step)]
+
+        def load(j, step=step, src=src):
+          @pl.when((lax.rem(j, blocks) == 0) & stage_wait)
+          def _():
+            transport.wait(sems, rank, where.staged(step, tile_of(j // blocks), wg_idx), 1)
+          b = lax.rem(j, sets)
+          plgpu.copy_gmem_to_smem(src.at[block(j)], buf.at[wg_idx, b],
+                                  barrier.at[wg_idx * sets + b])
+
+        for i in range(prefetch):
+          @pl.when(i < count)
+          def _(i=i, load=load):
+            load(i)
+
+        def move(j, carry, step=step, dst=dst, load=load):
+          b = lax.rem(j, sets)
+          plgpu.barrier_wait(barrier.at[wg_idx * sets + b])
+          plgpu.copy_smem_to_gmem(buf.at[wg_idx, b], dst.at[block(j)])
+
+          @pl.when(j + prefetch < count)
+          def _():
+            # Buffer (j + prefetch) % sets last held block j + prefetch - sets; the stores
+            # issued after it may still read SMEM, it may not (schedule.comm_prefetch).
+            plgpu.wait_smem_to_gmem(reuse_wait, wait_read_only=True)
+            load(j + prefetch)
+
+          q = j // blocks
+
+          @pl.when((lax.rem(j, blocks) == blocks - 1) & (q >= lag))
+          def _():
+            # Tile q - lag has landed locally once at most `lag` later tiles' stores pend.
+            plgpu.wait_smem_to_gmem(lag * blocks, wait_read_only=False)
+            transport.signal_local(sems, rank, where.delivered(step, comm_index, wg_idx))
+          return carry
+
+        lax.fori_loop(0, count, move, None)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+
+        def drain(q, carry, step=step):
+          transport.signal_local(sems, rank, where.delivered(step, comm_index, wg_idx))
+          return carry
+
+        lax.fori_loop(jnp.maximum(num_tiles - lag, 0), num_tiles, drain, None)
+
+      # Each load was waited on before its store: this warpgroup reads no peer any more.
+      for o in range(1, d):
+        transport.signal(sems, rank, o, where.done())
+
+      @pl.when((comm_index == 0) & (wg_idx == 0))
+      def _():
+        # Peers may still read this rank's staging buffer; XLA may reuse it once the kernel
+        # exits.
+        transport.wait(sems, rank, where.done(), (d - 1) * num_comm * _NUM_COMPUTE_WGS)
