@@ -45,8 +45,7 @@ _OUT = flags.DEFINE_string("out", "", "JSON output path; default experiments/out
 def variant_config(base, name: str):
   """The config of a variant name, "_"-separated tokens applied to `base`: v1 (as is: the
   direct push), cN (N comm CTAs pushing), pN (N comm CTAs pulling), oN (N epilogue SMEM slots), f32 / bf16 (partial dtype),
-  ring (numerics mode "unfused_order": bf16 partials summed in the unfused path's order),
-  lsu (a pulling comm CTA stores into its receive slot from registers, not by TMA);
+  ring (numerics mode "unfused_order": bf16 partials summed in the unfused path's order);
   then fitted to SMEM at D = 2 (`config.fit_smem`)."""
   from pallas_rs import config as config_lib  # pylint: disable=g-import-not-at-top
   cfg = base
@@ -54,8 +53,6 @@ def variant_config(base, name: str):
     if token in ("f32", "bf16"):
       cfg = config_lib.with_partial_dtype(
           cfg, "float32" if token == "f32" else "bfloat16", 2)
-    elif token == "lsu":
-      cfg = dataclasses.replace(cfg, pull_store="lsu")
     elif token == "ring":
       cfg = config_lib.with_numerics(cfg, "unfused_order", 2)
     elif token[0] in "cpo" and token[1:].isdigit():

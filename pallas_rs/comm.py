@@ -130,9 +130,6 @@ def pull_program(ctx: CommContext, comm_index):
   tile_m, tile_n = config.tile_m, config.tile_n
   sets = config.comm_buffer_sets
   prefetch, reuse_wait = schedule.comm_prefetch(sets)
-  lsu_store = config.pull_store == "lsu"
-  if lsu_store:  # A buffer is free once read into registers: every other one can be loading.
-    prefetch = sets - 1
   rows = config.comm_rows
   blocks = tile_m // rows
   lag = schedule.COMM_SIGNAL_LAG
@@ -175,20 +172,6 @@ def pull_program(ctx: CommContext, comm_index):
         def move(j, carry, step=step, dst=dst, load=load):
           b = lax.rem(j, sets)
           plgpu.barrier_wait(barrier.at[wg_idx * sets + b])
-          if lsu_store:
-            # SMEM -> registers -> local HBM: no TMA store for the next load to queue behind.
-            dst.at[block(j)][...] = buf[wg_idx, b]
-
-            @pl.when(j + prefetch < count)
-            def _():
-              plgpu.commit_smem()  # Every thread has read the buffer before TMA refills it.
-              load(j + prefetch)
-
-            @pl.when(lax.rem(j, blocks) == blocks - 1)
-            def _():
-              # The signal's release orders this warpgroup's stores before it.
-              transport.signal_local(sems, rank, where.delivered(step, comm_index, wg_idx))
-            return carry
           plgpu.copy_smem_to_gmem(buf.at[wg_idx, b], dst.at[block(j)])
 
           @pl.when(j + prefetch < count)
@@ -208,8 +191,6 @@ def pull_program(ctx: CommContext, comm_index):
           return carry
 
         lax.fori_loop(0, count, move, None)
-        if lsu_store:
-          continue
         plgpu.wait_smem_to_gmem(0, wait_read_only=False)
 
         def drain(q, carry, step=step):

@@ -27,7 +27,6 @@ COMM_COPY_BYTES = 32 * 1024
 #     after every add.
 OWNER_SUMS = ("fp32", "bf16_ring")
 COMM_MODES = ("push", "pull")
-PULL_STORES = ("tma", "lsu")
 # The numerics modes users and the tuner choose between: name -> (partial_dtype, owner_sum).
 NUMERICS_MODES = {
     "fp32_partials": ("float32", "fp32"),
@@ -73,9 +72,6 @@ class Config:
       comm CTAs TMA-store them into the owner's receive slots) or "pull" (the owner's comm
       CTAs TMA-load them from the source's staging buffer: about twice one SM's push rate,
       measured; needs jax >= 0.11.2 on devices, where Mosaic lowers remote TMA loads).
-    pull_store: how a pulling comm CTA writes a pulled copy into its receive slot
-      (PULL_STORES): "tma" (a TMA store, queued on the SM's TMA unit with its remote loads) or
-      "lsu" (SMEM -> registers -> local HBM, so the loads never wait behind a store).
     owner_sum: how the owner adds the partials (OWNER_SUMS): "fp32" (its fp32 accumulator,
       slot order, one rounding) or "bf16_ring" (bf16 partials only: the unfused path's
       arithmetic, bit for bit wherever the partials equal cuBLAS's). `numerics` names the pair.
@@ -96,7 +92,6 @@ class Config:
   partial_dtype: str = "bfloat16"
   owner_sum: str = "fp32"
   comm_mode: str = "push"
-  pull_store: str = "tma"
 
   def __post_init__(self):
     tile_m, tile_n, tile_k = self.tile_m, self.tile_n, self.tile_k
@@ -131,8 +126,6 @@ class Config:
       raise ValueError(f"partial_dtype={self.partial_dtype!r} must be one of {PARTIAL_DTYPES}")
     if self.comm_mode not in COMM_MODES:
       raise ValueError(f"comm_mode={self.comm_mode!r} must be one of {COMM_MODES}")
-    if self.pull_store not in PULL_STORES:
-      raise ValueError(f"pull_store={self.pull_store!r} must be one of {PULL_STORES}")
     if self.owner_sum not in OWNER_SUMS:
       raise ValueError(f"owner_sum={self.owner_sum!r} must be one of {OWNER_SUMS}")
     if self.owner_sum == "bf16_ring" and self.partial_dtype != "bfloat16":

@@ -103,7 +103,7 @@ def config_from_json(obj: Mapping[str, Any]):
   for name, value in kw.items():
     if name == "grid_minor_dim":
       continue
-    if name in ("partial_dtype", "owner_sum", "comm_mode", "pull_store"):
+    if name in ("partial_dtype", "owner_sum", "comm_mode"):
       if not isinstance(value, str):
         raise ValueError(f"config field {name}={value!r} must be a string")
       continue
