@@ -40,12 +40,16 @@ def check_implementation(implementation) -> None:
 
 
 def _fits(cfg, key: tuning.Key) -> str | None:
-  """None if the matmul_rs `cfg` can run the shape of `key`, else why not."""
+  """None if the matmul_rs `cfg` can run the shape of `key`, else why not: the kernel's own
+  check (`fused.check_supported`: tiling, SMEM, this GPU's SM count, this jax), the same for a
+  table's config as for a caller's."""
   if cfg is None:
     return "no config"
+  from pallas_rs import fused  # pylint: disable=g-import-not-at-top  (Mosaic GPU import chain)
   try:
-    cfg.check_shape(m=key.m, n=key.n, k_shard=key.k_shard, num_devices=key.num_devices)
-  except NotImplementedError as e:
+    fused.check_supported(m=key.m, k_shard=key.k_shard, n=key.n, dtype=key.dtype,
+                          num_devices=key.num_devices, config=cfg)
+  except (NotImplementedError, ValueError) as e:
     return str(e)
   return None
 

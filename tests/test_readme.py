@@ -14,30 +14,29 @@ def _section(text: str, title: str) -> str:
   return text[start:end if end >= 0 else None]
 
 
-def test_usage_runs_as_written(tmp_path):
-  usage = _section((REPO / "README.md").read_text(), "Usage")
-  (flags,) = re.findall(r"export XLA_FLAGS=(\S+)", usage)
-  (code,) = re.findall(r"```python\n(.*?)```", usage, re.S)
+def _run_readme_code(tmp_path, section: str) -> str:
+  """The one python block of README section `section`, run with the Usage section's
+  XLA_FLAGS in a fresh interpreter; its stdout."""
+  text = (REPO / "README.md").read_text()
+  (flags,) = re.findall(r"export XLA_FLAGS=(\S+)", _section(text, "Usage"))
+  (code,) = re.findall(r"```python\n(.*?)```", _section(text, section), re.S)
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
   env["XLA_FLAGS"] = flags
   env["PYTHONPATH"] = str(REPO)
   res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                        cwd=tmp_path, timeout=300, check=False)
   assert res.returncode == 0, res.stderr[-3000:]
-  assert res.stdout.split("\n")[-2] == "(1024, 512) (1024, 4096) (4096, 512)", res.stdout
+  return res.stdout
+
+
+def test_usage_runs_as_written(tmp_path):
+  out = _run_readme_code(tmp_path, "Usage")
+  assert out.split("\n")[-2] == "(1024, 512) (1024, 4096) (4096, 512)", out
 
 
 def test_multi_axis_example_runs_as_written(tmp_path):
-  text = (REPO / "README.md").read_text()
-  (flags,) = re.findall(r"export XLA_FLAGS=(\S+)", _section(text, "Usage"))
-  (code,) = re.findall(r"```python\n(.*?)```", _section(text, "Multi-axis meshes"), re.S)
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-  env["XLA_FLAGS"] = flags
-  env["PYTHONPATH"] = str(REPO)
-  res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                       cwd=tmp_path, timeout=300, check=False)
-  assert res.returncode == 0, res.stderr[-3000:]
-  assert res.stdout.split("\n")[-2] == "(1024, 256) (1024, 2048) (2048, 256) True", res.stdout
+  out = _run_readme_code(tmp_path, "Multi-axis meshes")
+  assert out.split("\n")[-2] == "(1024, 256) (1024, 2048) (2048, 256) True", out
 
 
 def test_every_design_citation_resolves():

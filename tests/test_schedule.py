@@ -148,17 +148,6 @@ def test_comm_ctas(d, tiles, ctas, comm, eager, pull):
   _check(d, tiles, ctas, comm_ctas=comm, eager=eager, pull=pull)
 
 
-def test_pull_before_staging_is_caught(monkeypatch):
-  real = schedule._pull_program  # pylint: disable=protected-access
-
-  def no_wait(*args, **kwargs):
-    return [e for e in real(*args, **kwargs) if e.kind != "wait_staged"]
-
-  monkeypatch.setattr(schedule, "_pull_program", no_wait)
-  with pytest.raises(RuntimeError, match="before it was staged"):
-    schedule.simulate(num_ctas=8, num_devices=2, tiles_per_chunk=32, comm_ctas=2, pull=True)
-
-
 def test_pull_exit_handshake_is_needed(monkeypatch):
   """Signalling 'done' before the pulls lets a peer exit while still being read: caught."""
   real = schedule._pull_program  # pylint: disable=protected-access
@@ -204,16 +193,18 @@ def test_comm_ctas_need_a_compute_cta():
     schedule.simulate(num_ctas=4, num_devices=2, tiles_per_chunk=3, comm_ctas=4)
 
 
-def test_push_before_staging_is_caught(monkeypatch):
-  """The simulator's check is live: a comm CTA that skips its wait pushes unstaged data."""
-  real = schedule._comm_program  # pylint: disable=protected-access
+@pytest.mark.parametrize("pull", [False, True])
+def test_move_before_staging_is_caught(monkeypatch, pull):
+  """The simulator's check is live: a comm CTA that skips its wait moves unstaged data."""
+  name = "_pull_program" if pull else "_comm_program"
+  real = getattr(schedule, name)
 
   def no_wait(*args, **kwargs):
     return [e for e in real(*args, **kwargs) if e.kind != "wait_staged"]
 
-  monkeypatch.setattr(schedule, "_comm_program", no_wait)
+  monkeypatch.setattr(schedule, name, no_wait)
   with pytest.raises(RuntimeError, match="before it was staged"):
-    schedule.simulate(num_ctas=8, num_devices=2, tiles_per_chunk=32, comm_ctas=2)
+    schedule.simulate(num_ctas=8, num_devices=2, tiles_per_chunk=32, comm_ctas=2, pull=pull)
 
 
 @pytest.mark.parametrize("sets", [1, 2, 3, 4])

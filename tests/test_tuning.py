@@ -494,3 +494,15 @@ def test_autotune_dry_run_lists_the_ag_problems():
        "--num_devices=2"], capture_output=True, text=True, env=env, timeout=300, check=False)
   assert res.returncode == 0, res.stderr[-2000:]
   assert "ag_matmul {'m_shard': 256, 'k': 8192, 'n': 4096}" in res.stdout, res.stdout
+
+
+def test_table_config_gets_the_same_checks_as_a_callers(monkeypatch):
+  """A table config that this GPU cannot run (a grid larger than its SMs) is not picked: the
+  gate checks table configs with fused.check_supported, as it checks a caller's."""
+  from pallas_rs import fused  # pylint: disable=g-import-not-at-top
+  m = 4096
+  table = _table(_entry(m))
+  assert _choose(m, table=table).implementation == "fused"
+  monkeypatch.setattr(fused, "gpu_num_sms", lambda: 114)  # e.g. an H100 PCIe
+  decision = _choose(m, table=table)
+  assert decision.implementation == "xla" and "114 SMs" in decision.reason, decision
