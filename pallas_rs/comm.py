@@ -45,23 +45,37 @@ class CommContext:
   stage_wait: bool = True  # False only for the "stage_wait" timing ablation
 
 
+def _walk(ctx: CommContext, comm_index, wg_idx):
+  """(num_tiles, tile_of, block) of comm CTA `comm_index`'s warpgroup `wg_idx`: it moves tiles
+  tile_of(q) = comm_index + q * num_comm, q < num_tiles, of each step, and copy j is rows
+  block(j) = (rows, cols) of tile j // blocks within a [chunk, n] array."""
+  rows = ctx.config.comm_rows
+  blocks = ctx.config.tile_m // rows
+  num_tiles = jnp.maximum(ctx.tiles - comm_index + ctx.num_comm - 1, 0) // ctx.num_comm
+  tile_of = lambda q: comm_index + q * ctx.num_comm
+
+  def block(j):
+    rs, cs = ctx.tile_slices(tile_of(j // blocks), wg_idx)[1]
+    return pl.ds(rs.start + lax.rem(j, blocks) * rows, rows), cs
+
+  return num_tiles, tile_of, block
+
+
 def push_program(ctx: CommContext, comm_index):
   """Comm CTA `comm_index` of `num_comm` (kernel v3, docs/design.md section 3.2): for each
   peer in schedule order, pushes the staged tiles comm_index, +num_comm, ... to the owner's
   receive slot and signals the owner once they have landed. Warpgroup w moves compute
   warpgroup w's half tile in row blocks of `comm_rows`: registers <- local staging (LSU
-  loads), -> one of `sets` SMEM buffers -> the owner (TMA store). The local reads are not
-  TMA loads because an SM's TMA load waits until its own earlier remote TMA stores have
-  drained (measured, section 8 of the shared design): LSU loads keep the stores streaming."""
-  config, d, num_comm, tiles = ctx.config, ctx.num_devices, ctx.num_comm, ctx.tiles
+  loads), -> one of `sets` SMEM buffers -> the owner (TMA store). The reads are LSU loads, not
+  TMA loads, because an SM's TMA load waits until its own earlier remote TMA stores have
+  drained (section 3.2); measured, that did not make a comm CTA faster (~24 GB/s either way)."""
+  config, d = ctx.config, ctx.num_devices
   rank, transport, sems, where = ctx.rank, ctx.transport, ctx.sems, ctx.where
-  part_dtype, tile_slices, stage_wait = ctx.part_dtype, ctx.tile_slices, ctx.stage_wait
-  tile_m, tile_n = config.tile_m, config.tile_n
+  rows, tile_n, stage_wait = config.comm_rows, config.tile_n, ctx.stage_wait
+  blocks = config.tile_m // rows
   sets = config.comm_buffer_sets
-  rows = config.comm_rows
-  blocks = tile_m // rows
   lag, batch = schedule.COMM_SIGNAL_LAG, schedule.COMM_SIGNAL_BATCH
-  comm_scoped = dict(buf=plgpu.SMEM((_NUM_COMPUTE_WGS, sets, rows, tile_n), part_dtype))
+  comm_scoped = dict(buf=plgpu.SMEM((_NUM_COMPUTE_WGS, sets, rows, tile_n), ctx.part_dtype))
 
   @functools.partial(pl.run_scoped, collective_axes="wg", **comm_scoped)
   def _scope(buf):
@@ -69,13 +83,7 @@ def push_program(ctx: CommContext, comm_index):
 
     @pl.when(wg_idx < _NUM_COMPUTE_WGS)
     def _pusher():
-      num_tiles = jnp.maximum(tiles - comm_index + num_comm - 1, 0) // num_comm
-      tile_of = lambda q: comm_index + q * num_comm
-
-      def block(j):
-        rs, cs = tile_slices(tile_of(j // blocks), wg_idx)[1]
-        return pl.ds(rs.start + lax.rem(j, blocks) * rows, rows), cs
-
+      num_tiles, tile_of, block = _walk(ctx, comm_index, wg_idx)
       for o in range(1, d):  # Static peers: see transport.py.
         step = o - 1
         src = ctx.stage_local.at[step]
@@ -115,6 +123,7 @@ def push_program(ctx: CommContext, comm_index):
           def _(o=o, step=step, r=r):
             transport.signal(sems, rank, o, where.delivered(step, comm_index, wg_idx), r)
 
+
 def pull_program(ctx: CommContext, comm_index):
   """Comm CTA `comm_index` of `num_comm` for this rank as owner (kernel v3 pull, docs/design.md
   section 3.2): for each remote step s in order (the peer at offset D - 1 - s computes this
@@ -124,17 +133,15 @@ def pull_program(ctx: CommContext, comm_index):
   CTAs; then tells every peer it is done reading the peer's staging buffer, and comm CTA 0
   waits until every peer is done with this rank's. No remote store is ever issued here, so
   no load queues behind one (the head-of-line effect, section 3.2)."""
-  config, d, num_comm, tiles = ctx.config, ctx.num_devices, ctx.num_comm, ctx.tiles
+  config, d, num_comm = ctx.config, ctx.num_devices, ctx.num_comm
   rank, transport, sems, where = ctx.rank, ctx.transport, ctx.sems, ctx.where
-  part_dtype, tile_slices, stage_wait = ctx.part_dtype, ctx.tile_slices, ctx.stage_wait
-  tile_m, tile_n = config.tile_m, config.tile_n
+  rows, tile_n, stage_wait = config.comm_rows, config.tile_n, ctx.stage_wait
+  blocks = config.tile_m // rows
   sets = config.comm_buffer_sets
   prefetch, reuse_wait = schedule.comm_prefetch(sets)
-  rows = config.comm_rows
-  blocks = tile_m // rows
   lag = schedule.COMM_SIGNAL_LAG
   comm_scoped = dict(
-      buf=plgpu.SMEM((_NUM_COMPUTE_WGS, sets, rows, tile_n), part_dtype),
+      buf=plgpu.SMEM((_NUM_COMPUTE_WGS, sets, rows, tile_n), ctx.part_dtype),
       barrier=plgpu.Barrier(num_barriers=_NUM_COMPUTE_WGS * sets),
   )
 
@@ -144,13 +151,8 @@ def pull_program(ctx: CommContext, comm_index):
 
     @pl.when(wg_idx < _NUM_COMPUTE_WGS)
     def _puller():
-      num_tiles = jnp.maximum(tiles - comm_index + num_comm - 1, 0) // num_comm
+      num_tiles, tile_of, block = _walk(ctx, comm_index, wg_idx)
       count = num_tiles * blocks
-      tile_of = lambda q: comm_index + q * num_comm
-
-      def block(j):
-        rs, cs = tile_slices(tile_of(j // blocks), wg_idx)[1]
-        return pl.ds(rs.start + lax.rem(j, blocks) * rows, rows), cs
 
       for step in range(d - 1):  # Static peers: see transport.py.
         src = transport.peer_stage(ctx.stage_gmem, rank, d - 1 - step).at[step]

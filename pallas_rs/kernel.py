@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 
-import jax
 from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
