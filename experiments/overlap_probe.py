@@ -36,6 +36,10 @@ _VARIANTS = flags.DEFINE_list(
     "variants", ["v1", "c2", "c4", "c8", "c16", "c4_f32", "direct_f32"],
     "Config variants (overlap_probe.variant_config): v1, cN, oN, f32/bf16 tokens, e.g. c4_bf16.")
 _ITERS = flags.DEFINE_integer("iterations", 40, "Timed iterations per variant.")
+_COMM_ABLATIONS = flags.DEFINE_list(
+    "comm_ablations", ["gemm", "gemm+stage_wait"],
+    "Ablation sets (kernel.ABLATIONS joined by '+') also timed for comm-CTA variants; each "
+    "starting with 'gemm' yields an in-kernel comm rate (comm_gbps_<rest>).")
 _SCALE = flags.DEFINE_integer("scale", 1, "Divide the check cases' n and k_shard by this "
                               "(plumbing tests on CPU).")
 _OUT = flags.DEFINE_string("out", "", "JSON output path; default experiments/out/"
@@ -187,14 +191,13 @@ def main(argv):
       for vname in _VARIANTS.value:
         cfg = variant_config(base, vname)
         row["configs"][vname] = tuning.config_to_json(cfg)
-        # "_nogemm": the kernel without its mainloop, i.e. its data movement alone; with comm
-        # CTAs that is their push rate inside the kernel (comm_gbps below).
-        # "_nogemm_nowait": also without the comm CTAs' per-tile staged waits (their cost).
-        ablations = ((), ("comm",)) + (
-            (("gemm",), ("gemm", "stage_wait")) if cfg.comm_ctas else ())
+        # "_no<a>_<b>...": the kernel without stages a, b (kernel.ABLATIONS). "_nogemm": its
+        # data movement alone; with comm CTAs that is their rate inside the kernel (comm_gbps
+        # below; "_nogemm_stage_wait" etc.: also without that stage).
+        ablations = [(), ("comm",)] + (
+            [tuple(a.split("+")) for a in _COMM_ABLATIONS.value] if cfg.comm_ctas else [])
         for ablate in ablations:
-          key = vname + {(): "", ("comm",): "_nocomm", ("gemm",): "_nogemm",
-                         ("gemm", "stage_wait"): "_nogemm_nowait"}[ablate]
+          key = vname + ("_no" + "_".join(ablate) if ablate else "")
           t0 = time.time()
           try:
             fn = fused_fn(cfg, ablate)
@@ -205,14 +208,14 @@ def main(argv):
           print(label, key, f"{time.time() - t0:.1f}s", flush=True)
       # Bytes each GPU sends: its D - 1 peer chunks of partials.
       for vname, cfg_json in row["configs"].items():
-        for suffix in ("_nogemm", "_nogemm_nowait"):
-          times = row["times_us"].get(vname + suffix)
-          if times:
-            itemsize = 4 if cfg_json["partial_dtype"] == "float32" else 2
-            sent = (d - 1) * (m // d) * n * itemsize
-            gbps = sent / (statistics.median(times) * 1e3)
-            row.setdefault("comm_gbps" + suffix[len("_nogemm"):], {})[vname] = dict(
-                total=gbps, per_comm_cta=gbps / cfg_json["comm_ctas"], bytes_per_gpu=sent)
+        for key, times in row["times_us"].items():
+          if not key.startswith(vname + "_nogemm"):
+            continue
+          itemsize = 4 if cfg_json["partial_dtype"] == "float32" else 2
+          sent = (d - 1) * (m // d) * n * itemsize
+          gbps = sent / (statistics.median(times) * 1e3)
+          row.setdefault("comm_gbps" + key[len(vname + "_nogemm"):], {})[vname] = dict(
+              total=gbps, per_comm_cta=gbps / cfg_json["comm_ctas"], bytes_per_gpu=sent)
       record["rows"].append(row)
       save()
       med = {k_: statistics.median(v) for k_, v in row["times_us"].items()}
@@ -234,8 +237,8 @@ def main(argv):
                for v in _VARIANTS.value]
       print(head, " ".join(cells))
       for v, g in r.get("comm_gbps", {}).items():
-        g2 = r.get("comm_gbps_nowait", {}).get(v)
-        extra = f"; without staged waits {g2['per_comm_cta']:.1f}" if g2 else ""
+        extra = "".join(f"; without {k[len('comm_gbps_'):]} {r[k][v]['per_comm_cta']:.1f}"
+                        for k in sorted(r) if k.startswith("comm_gbps_") and v in r[k])
         print(f"{'':30} {v}: comm alone {g['total']:.0f} GB/s, {g['per_comm_cta']:.1f} per "
               f"comm CTA{extra}")
   print("wrote", out_path)

@@ -43,6 +43,7 @@ class CommContext:
   stage_gmem: Any
   stage_local: Any  # this rank's staged partials [D - 1, chunk, n]
   stage_wait: bool = True  # False only for the "stage_wait" timing ablation
+  recv_store: bool = True  # False only for the "recv_store" timing ablation (pull)
 
 
 def _walk(ctx: CommContext, comm_index, wg_idx):
@@ -174,7 +175,10 @@ def pull_program(ctx: CommContext, comm_index):
         def move(j, carry, step=step, dst=dst, load=load):
           b = lax.rem(j, sets)
           plgpu.barrier_wait(barrier.at[wg_idx * sets + b])
-          plgpu.copy_smem_to_gmem(buf.at[wg_idx, b], dst.at[block(j)])
+          if ctx.recv_store:
+            plgpu.copy_smem_to_gmem(buf.at[wg_idx, b], dst.at[block(j)])
+          else:
+            plgpu.commit_smem()  # (timing only) the buffer is refilled without being stored
 
           @pl.when(j + prefetch < count)
           def _():

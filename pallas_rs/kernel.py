@@ -32,7 +32,7 @@ def _swizzled(block_minor_elems: int, dtype) -> tuple:
   return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-ABLATIONS = frozenset({"comm", "reduce", "gemm", "stage_wait"})
+ABLATIONS = frozenset({"comm", "reduce", "gemm", "stage_wait", "recv_store", "owner_wait"})
 
 
 def _round(x, dtype):
@@ -62,7 +62,9 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
   keeps the waits but not the loads and adds of the received partials; "gemm" skips the
   mainloop (every epilogue handles a tile of zeros), so that the kernel's time is that of its
   data movement (the comm CTAs' push rate, measured inside the kernel); "stage_wait" drops the
-  comm CTAs' per-tile wait for a staged tile (with "gemm": the cost of those waits).
+  comm CTAs' per-tile wait for a staged tile (with "gemm": the cost of those waits);
+  "recv_store" drops a pulling comm CTA's store of what it pulled (its loads alone);
+  "owner_wait" drops the owner's wait for its partials (no CTA spins on the counters).
   """
   assert skip <= ABLATIONS, skip
   # The ablation hooks, decided here once (empty `skip`: every stage runs).
@@ -178,7 +180,7 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
         """The own tile's sum of all D partials -> out_dtype sub-tiles (config.owner_sum):
         "fp32": acc (f32) + the received partials in slot order, rounded once;
         "bf16_ring": the unfused path's arithmetic, schedule.ring_slots."""
-        if comm_on:
+        if comm_on and "owner_wait" not in skip:
           if num_comm:  # Each slot's tiles arrive in the order its comm CTA moves them.
             c, need = tile % num_comm, tile // num_comm + 1
             for slot in range(d - 1):
@@ -312,7 +314,8 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
         config=config, num_devices=d, num_comm=num_comm, rank=rank, transport=transport,
         sems=sems, where=where, tiles=tiles, part_dtype=part_dtype, tile_slices=tile_slices,
         recv_gmem=recv_gmem, recv_local=recv_local, stage_gmem=stage_gmem,
-        stage_local=stage_local, stage_wait="stage_wait" not in skip)
+        stage_local=stage_local, stage_wait="stage_wait" not in skip,
+        recv_store="recv_store" not in skip)
 
     @pl.when(cta < num_comm)
     def _comm():

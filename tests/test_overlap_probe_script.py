@@ -57,7 +57,7 @@ def test_overlap_probe_plumbing(tmp_path):
   assert row["d"] == 8
   assert set(row["times_us"]) == {"xla_gemm", "xla_comm", "xla_seq", "v1_bf16", "v1_bf16_nocomm",
                                   "c2_bf16", "c2_bf16_nocomm", "c2_bf16_nogemm",
-                                  "c2_bf16_nogemm_nowait"}
+                                  "c2_bf16_nogemm_stage_wait"}
   assert row["configs"]["c2_bf16"]["comm_ctas"] == 2
   rate = row["comm_gbps"]["c2_bf16"]  # From the stand-in's times: plumbing only.
   assert rate["bytes_per_gpu"] == 7 * (row["m"] // 8) * row["n"] * 2
