@@ -36,11 +36,11 @@ llama70b_o_proj_m512,llama70b_o_proj_m32768,mixtral8x22b_w2_m2048,llama70b_down_
       --iterations=30 --table="$out/tuning_table.json" --out="$out/autotune_multi_gpu.json" 2>&1 \
       | quiet | tail -20 ;;
   probe)
-    # Direct push vs whole-tile epilogue slots vs comm CTAs, bf16 and fp32 partials, with
-    # their no-comm ablations (docs/design.md section 3.2).
-    # v3 comm CTAs (c*) also time without their mainloop (_nogemm: the in-kernel push rate).
+    # Direct push (ring = the D = 2 default numerics, v1 = fp32 partials) vs kernel v3's comm
+    # CTAs pushing (c*) or pulling (p*), with their no-comm ablations (docs/design.md section
+    # 3.2); comm variants also time without their mainloop (_nogemm: the in-kernel comm rate).
     timeout 570 python3 experiments/overlap_probe.py --what=check,time --iterations=30 \
-      --variants=v1_bf16,c2_bf16,c4_bf16,c8_bf16,ring,c4_ring,v1,c4 \
+      --variants=ring,c2_ring,c4_ring,c8_ring,p2_ring,p4_ring,p8_ring,v1 \
       --names=llama70b_o_proj_m512,mixtral8x22b_o_proj_m2048,llama70b_o_proj_m8192,llama70b_down_proj_m8192 \
       --proxy=llama70b_o_proj_m8192 --out="$out/overlap_probe.json" 2>&1 | quiet | tail -45 ;;
   numerics)
