@@ -15,12 +15,16 @@ A signal for a remote tile is sent lazily: at the start of the epilogue of the C
 last `eager_signal_steps` remote steps instead wait for their store right away and signal at
 once (`first_eager_step`): the owner, who computes its own chunk next, waits less.
 
-With `comm_ctas` > 0 (docs/design.md section 3.2) the first `comm_ctas` CTAs of a rank compute
-nothing: the compute CTAs (the others, renumbered from 0) store each remote tile into the rank's
-own staging slot `s` and announce it on a local "staged" semaphore `(s, t, wg)` (lazily or
-eagerly, as above); comm CTA `c` takes the tiles `c, c + comm_ctas, ...` of each remote step in
-order, waits until each is staged, TMA-copies it into the owner's receive slot and signals the
-owner once it has landed, `COMM_SIGNAL_LAG` tiles later (or after its last tile of the step).
+With `comm_ctas` > 0 (kernel v3, docs/design.md section 3.2) the first `comm_ctas` CTAs of a
+rank compute nothing: the compute CTAs (the others, renumbered from 0) store each remote tile
+into the rank's own staging slot `s` and flag it (lazily or eagerly, as above). Push: the flag
+is local and comm CTA `c` of the source takes the tiles `c, c + comm_ctas, ...` of each remote
+step in order, copies each into the owner's receive slot and announces landed tiles in batches
+(`COMM_SIGNAL_LAG` tiles behind, `COMM_SIGNAL_BATCH` per signal) on the owner's counter
+`(slot, c)`. Pull: the flag goes to the owner, whose comm CTA `c` copies the tiles from the
+source's staging into its own slot and counts them locally; a done handshake keeps every rank
+alive until its peers have finished reading its staging buffer. `SemLayout` names the
+semaphores; `simulate` checks every variant.
 
 The functions below accept Python ints and traced int32 scalars alike.
 """
