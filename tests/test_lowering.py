@@ -273,7 +273,7 @@ def test_fp32_partials_without_room_are_refused():
     cfg.check_shape(m=1024, n=1024, k_shard=512, num_devices=2)
 
 
-@pytest.mark.parametrize("d", [2, 8])
+@pytest.mark.parametrize("d", [2, pytest.param(8, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("numerics", ["unfused_order", "fp32_partials"])
 def test_pull_comm_ctas_lower_in_loopback(d, numerics):
   """Kernel v3 with pulling comm CTAs (docs/design.md section 3.2): loopback reads a peer's

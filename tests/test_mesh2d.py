@@ -181,7 +181,7 @@ def test_scalar_device_id_does_not_lower_on_a_2d_mesh(monkeypatch):
     _export_fused((2, 4), ("dp", "tp"), "tp")
 
 
-@pytest.mark.parametrize("d", [2, 8])
+@pytest.mark.parametrize("d", [2, pytest.param(8, marks=pytest.mark.slow)])
 def test_1d_mesh_lowers_to_the_same_module_as_the_scalar_id(monkeypatch, d):
   """The dict id is used everywhere because on a 1-D mesh the kernel's Mosaic GPU module (debug
   locations aside) is identical to the scalar id's, the one run on two H200s."""
@@ -533,6 +533,7 @@ fused.fused_matmul_reduce_scatter = stand_in
 """
 
 
+@pytest.mark.slow  # An experiment script end to end: the slow layer (tests/conftest.py).
 @pytest.mark.parametrize("mix", [False, True])
 def test_mesh2d_check_script_checks_what_it_runs(tmp_path, mix):
   """The script's checks with the kernel replaced by the XLA path (right), or by one that mixes

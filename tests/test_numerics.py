@@ -851,6 +851,7 @@ def numerics_script_summary_keys():
   return ("max", "p99", "median", "num_over_bound", "worst_seed")
 
 
+@pytest.mark.slow  # An experiment script end to end: the slow layer (tests/conftest.py).
 def test_script_modes_flag_and_usage_errors(tmp_path):
   result, _ = _run_script(tmp_path, [
       "--mode=emulate", "--modes=unfused_order,bf16_partials", "--num_inputs=2",

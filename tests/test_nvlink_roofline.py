@@ -66,7 +66,8 @@ def _run(args, tmp_path, name, after_load=""):
 
 @pytest.mark.parametrize("extra", [
     [],  # exactly what experiments/run_multi_gpu.sh roofline builds (flat, both directions)
-    ["--layouts=flat,tiled", "--pull_handshake", "--directions=one"],  # the optional variants
+    pytest.param(["--layouts=flat,tiled", "--pull_handshake", "--directions=one"],
+                 marks=pytest.mark.slow),  # the optional variants
 ], ids=["defaults", "tiled_handshake_oneway"])
 def test_every_variant_lowers_for_cuda_at_d2(tmp_path, extra):
   result, stdout = _run(["--lower_only", *extra], tmp_path, "lower")
