@@ -6,7 +6,7 @@ builds its descriptor on the host, which can only recompute the peer id from ari
 `lax.axis_index`.
 
 Semaphores: one array per rank `[rows, cols, wg]`, zeroed by XLA on every call; the kernel
-owns the layout (kernel.py `_SemLayout`) and names an entry by `(row, col, wg)`. Signals to a
+owns the layout (`schedule.SemLayout`) and names an entry by `(row, col, wg)`. Signals to a
 peer use system scope (they order NVLink writes); a rank's own staging flags use GPU scope,
 which costs less and is all that a store and a load on one GPU need.
 """
@@ -99,18 +99,21 @@ class LoopbackTransport:
     at = lambda a: None if a is None else a.at[rank]
     return x.at[rank], w.at[rank], out.at[rank], at(recv), at(stage)
 
+  def _peer(self, rank, offset: int):
+    return lax.rem(rank + offset, self.num_devices)
+
   def peer_recv(self, recv, rank, offset: int):
-    return recv.at[lax.rem(rank + offset, self.num_devices)]
+    return recv.at[self._peer(rank, offset)]
 
   def peer_stage(self, stage, rank, offset: int):
-    return stage.at[lax.rem(rank + offset, self.num_devices)]
+    return stage.at[self._peer(rank, offset)]
 
   def semaphores(self, shape: tuple[int, int]):
     return pl.get_global(plgpu.SemaphoreType.REGULAR(
         (self.num_devices, *shape, NUM_COMPUTE_WGS)))
 
   def signal(self, sems, rank, offset: int, idx, inc=1):
-    pl.semaphore_signal(sems.at[(lax.rem(rank + offset, self.num_devices), *idx)], inc)
+    pl.semaphore_signal(sems.at[(self._peer(rank, offset), *idx)], inc)
 
   def signal_local(self, sems, rank, idx):
     plgpu.semaphore_signal(sems.at[(rank, *idx)], 1, memory_scope="gpu")
