@@ -213,4 +213,4 @@ def pull_program(ctx: CommContext, comm_index):
       def _():
         # Peers may still read this rank's staging buffer; XLA may reuse it once the kernel
         # exits.
-        transport.wait(sems, rank, where.done(), (d - 1) * num_comm * _NUM_COMPUTE_WGS)
+        transport.wait(sems, rank, where.done(), schedule.pull_done_target(d, num_comm))

@@ -139,11 +139,11 @@ def check_mesh(axis_name) -> str:
         f"fused kernel needs the mesh's device ids in row-major order (Mosaic GPU: "
         f"mesh.device_ids.ravel() == arange({concrete.size})); the mesh {sizes} has device ids "
         f"{concrete.device_ids.ravel().tolist()}")
-  return next(iter(reduced), names[0])
+  return _reduced_axis(axis_name)
 
 
 def _reduced_axis(axis_name) -> str:
-  """`check_mesh`'s axis without its checks (a CheckedConfig has passed them)."""
+  """The mesh axis the kernel reduces over (`check_mesh` checks the mesh first)."""
   names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
   sizes = dict(jax.sharding.get_abstract_mesh().shape)
   return next((name for name in names if sizes.get(name, 1) > 1), names[0])

@@ -236,12 +236,18 @@ def _pull_program(rank: int, cta: int, *, comm_ctas: int, num_devices: int,
   events += [Event("signal_done", rank, cta, 0, 0, (rank + o) % d) for o in range(1, d)]
   if cta == 0:
     events.append(Event("wait_done", rank, cta, 0, 0, rank,
-                        target=(d - 1) * comm_ctas * NUM_COMPUTE_WGS))
+                        target=pull_done_target(d, comm_ctas)))
   return events
 
 
+def pull_done_target(num_devices: int, comm_ctas: int) -> int:
+  """Pull: the "done" signals a rank waits for before it exits, one from each comm warpgroup
+  of each peer, once that warpgroup has finished reading the rank's staging buffer."""
+  return (num_devices - 1) * comm_ctas * NUM_COMPUTE_WGS
+
+
 def comm_prefetch(sets: int) -> tuple[int, int]:
-  """(prefetch, reuse_wait) of a pulling comm warpgroup with `sets` SMEM buffers (kernel.py).
+  """(prefetch, reuse_wait) of a pulling comm warpgroup with `sets` SMEM buffers (comm.py).
 
   Block j's remote load goes into buffer j % sets, `prefetch` blocks ahead of its local store;
   before it, the warpgroup waits until at most `reuse_wait` of its TMA stores may still read
@@ -254,9 +260,10 @@ def comm_prefetch(sets: int) -> tuple[int, int]:
 
 
 def comm_reuse_wait(sets: int) -> int:
-  """TMA stores a comm warpgroup may leave unread before it refills a buffer (kernel.py): block
-  j goes into buffer j % sets, so the store of block j - sets, the oldest of the last `sets`,
-  must have read it (tests/test_schedule.py checks this against a model of the store queue)."""
+  """TMA stores a pushing comm warpgroup may leave unread before it refills a buffer (comm.py):
+  block j goes into buffer j % sets, so the store of block j - sets, the oldest of the last
+  `sets`, must have read it (tests/test_schedule.py checks this against a model of the store
+  queue)."""
   if sets < 1:
     raise ValueError(f"{sets=} must be >= 1")
   return sets - 1
@@ -285,7 +292,7 @@ def simulate(*, num_ctas: int, num_devices: int, tiles_per_chunk: int,
   d = num_devices
   if comm_ctas and d > 1 and comm_ctas >= num_ctas:
     raise ValueError(f"{comm_ctas=} leaves no compute CTA among {num_ctas=}")
-  done_target = (d - 1) * comm_ctas * NUM_COMPUTE_WGS  # pull: the exit wait's target
+  done_target = pull_done_target(d, comm_ctas)
   programs = {(r, c): prog for r in range(d)
               for c, prog in enumerate(rank_programs(
                   r, num_ctas=num_ctas, num_devices=d, tiles_per_chunk=tiles_per_chunk,
