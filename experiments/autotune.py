@@ -64,6 +64,11 @@ flags.DEFINE_integer("num_devices", None, "multi_gpu: D (default: all visible "
 flags.DEFINE_integer("iterations", 30, "Timed iterations per function.")
 flags.DEFINE_integer("warmup", 2, "Untimed calls after compilation.")
 flags.DEFINE_integer("max_configs", 6, "Candidate configs per shape (<= 0: all).")
+flags.DEFINE_enum("candidates", "search", ["search", "comm"],
+                  "multi_gpu: 'search' = candidates.candidate_configs (default config and "
+                  "one-field variants); 'comm' = the config the gate runs now for the shape "
+                  "(table or default) with each way of moving the partials "
+                  "(candidates.comm_variants: direct push, pulling / pushing comm CTAs).")
 flags.DEFINE_bool("loopback", True, "single_gpu: also time the loopback at the "
                   "case's D with the best 2 configs (informational entries).")
 flags.DEFINE_float("margin", 0.0, "Choose fused only if its median < (1 - "
@@ -107,7 +112,9 @@ def _short(cfg) -> str:
     return "-"
   return (f"m{cfg.tile_m}n{cfg.tile_n}s{cfg.max_concurrent_steps}"
           f"{cfg.grid_minor_dim.name}w{cfg.grid_tile_width}r{cfg.recv_stages}"
-          + (f"e{cfg.eager_signal_steps}" if cfg.eager_signal_steps else ""))
+          + (f"e{cfg.eager_signal_steps}" if cfg.eager_signal_steps else "")
+          + (f"{'p' if cfg.comm_mode == 'pull' else 'c'}{cfg.comm_ctas}" if cfg.comm_ctas
+             else ""))
 
 
 def time_candidate(label: str, fn, args, ref, *, num_devices: int,
@@ -303,8 +310,7 @@ def tune_multi_gpu(case, env) -> tuple[list[dict], list[dict]]:
   records = [time_candidate("xla_seq", seq, (x, w), ref, num_devices=d,
                             xla_err=None)]
   xla = records[0]
-  for cfg in candidates.candidate_configs(m=m, n=n, k_shard=k_shard, num_devices=d,
-                                      max_configs=FLAGS.max_configs):
+  for cfg in multi_gpu_candidates(m=m, n=n, k_shard=k_shard, d=d):
     fn = smap(functools.partial(fused.fused_matmul_reduce_scatter, axis_name=AXIS,
                                 num_devices=d, config=cfg))
     records.append(time_candidate("fused", fn, (x, w), ref, num_devices=d,
@@ -320,6 +326,21 @@ def tune_multi_gpu(case, env) -> tuple[list[dict], list[dict]]:
                      f"{xla['timer']} step time (max over devices), "
                      f"{FLAGS.iterations} iterations"))
   return records, [entry]
+
+
+def multi_gpu_candidates(*, m: int, n: int, k_shard: int, d: int) -> list:
+  """The configs --candidates names for one multi_gpu shape (bf16 inputs)."""
+  from pallas_rs import candidates  # pylint: disable=g-import-not-at-top
+  if FLAGS.candidates == "search":
+    return candidates.candidate_configs(m=m, n=n, k_shard=k_shard, num_devices=d,
+                                        max_configs=FLAGS.max_configs)
+  from pallas_rs import fused  # pylint: disable=g-import-not-at-top
+  from pallas_rs import gate  # pylint: disable=g-import-not-at-top
+  base = gate._tuned_config(m=m, k_shard=k_shard, n=n, dtype="bfloat16", num_devices=d)  # pylint: disable=protected-access
+  if base is None:
+    return []
+  return candidates.comm_variants(base, m=m, n=n, k_shard=k_shard, num_devices=d,
+                                  pull=fused.remote_tma_loads_supported())
 
 
 def ag_problem(case, d: int) -> dict[str, int]:
@@ -426,8 +447,10 @@ def dry_run(cases) -> None:
     else:
       d = FLAGS.num_devices or case.num_devices
       m, k_shard = case.m, case.k // d
-    cfgs = candidates.candidate_configs(m=m, n=case.n, k_shard=k_shard, num_devices=d,
-                                    max_configs=FLAGS.max_configs)
+    cfgs = (multi_gpu_candidates(m=m, n=case.n, k_shard=k_shard, d=d)
+            if FLAGS.mode == "multi_gpu" else
+            candidates.candidate_configs(m=m, n=case.n, k_shard=k_shard, num_devices=d,
+                                         max_configs=FLAGS.max_configs))
     total += len(cfgs) + 1
     print(f"{case.name} (D={d}, m={m}, n={case.n}, k_shard={k_shard}): "
           + " ".join(_short(c) for c in cfgs))

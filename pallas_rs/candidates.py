@@ -1,7 +1,8 @@
 """Candidate kernel configs for the tuner (experiments/autotune.py), likeliest winners first.
 
 `candidate_configs` orders `config.search_space` for diversity around `config.default_config`;
-`adapt_config` carries a config measured at one D to another (the loopback entries).
+`comm_variants` are one config's ways of moving the partials (direct push, comm CTAs pulling
+or pushing); `adapt_config` carries a config measured at one D to another (the loopback entries).
 """
 from __future__ import annotations
 
@@ -97,3 +98,28 @@ def adapt_config(cfg: Config, *, m: int, n: int, k_shard: int,
   except NotImplementedError:
     return None
   return cand
+
+
+# (comm_mode, comm_ctas) tried by comm_variants: pulling beats pushing per comm CTA once its
+# signals are batched (BUILD_NOTES 2026-12-01: ~36-40 vs ~24 GB/s), push 8 stays as a check.
+COMM_VARIANTS = (("push", 0), ("pull", 2), ("pull", 4), ("pull", 8), ("push", 8))
+
+
+def comm_variants(base: Config, *, m: int, n: int, k_shard: int, num_devices: int,
+                  pull: bool = True) -> list[Config]:
+  """`base` (its tiles, pipeline and numerics kept) with each way of moving the partials in
+  COMM_VARIANTS (comm_ctas 0 is v1's direct push), fitted to SMEM; those the kernel cannot
+  take for the shape left out; `pull=False` leaves the pulling ones out (jax < 0.11.2)."""
+  out = []
+  for mode, ctas in COMM_VARIANTS:
+    if mode == "pull" and not pull:
+      continue
+    cfg = config_lib.fit_smem(dataclasses.replace(base, comm_mode=mode, comm_ctas=ctas),
+                              num_devices)
+    try:
+      cfg.check_shape(m=m, n=n, k_shard=k_shard, num_devices=num_devices)
+    except NotImplementedError:
+      continue
+    if cfg not in out:
+      out.append(cfg)
+  return out

@@ -44,6 +44,7 @@ class CommContext:
   stage_local: Any  # this rank's staged partials [D - 1, chunk, n]
   stage_wait: bool = True  # False only for the "stage_wait" timing ablation
   recv_store: bool = True  # False only for the "recv_store" timing ablation (pull)
+  signal: bool = True  # False only for the "comm_signal" timing ablation
 
 
 def _walk(ctx: CommContext, comm_index, wg_idx):
@@ -62,6 +63,34 @@ def _walk(ctx: CommContext, comm_index, wg_idx):
   return num_tiles, tile_of, block
 
 
+def _announce_landed(ctx: CommContext, j, blocks: int, emit):
+  """After copy j (of tile j // blocks) is issued: once COMM_SIGNAL_BATCH more tiles are known
+  to have landed, emit(COMM_SIGNAL_BATCH) announces them. At most COMM_SIGNAL_LAG later tiles'
+  stores are pending, so tiles up to j // blocks - LAG have landed. One signal per batch, not
+  per tile: each costs ~0.7 us of the comm CTA's time (its fence waits for the stores before
+  it), as long as a 32 KB copy at the link's per-SM rate (measured, BUILD_NOTES 2026-12-01)."""
+  lag, batch = schedule.COMM_SIGNAL_LAG, schedule.COMM_SIGNAL_BATCH
+  landed = j // blocks - lag + 1
+
+  @pl.when((lax.rem(j, blocks) == blocks - 1) & (landed > 0) & (lax.rem(landed, batch) == 0)
+           & ctx.signal)
+  def _():
+    plgpu.wait_smem_to_gmem(lag * blocks, wait_read_only=False)
+    emit(batch)
+
+
+def _announce_rest(ctx: CommContext, num_tiles, emit):
+  """After the last copy of a step: waits for every store, then announces the tiles that
+  _announce_landed left (1 to LAG + BATCH - 1 of them; a signal's increment is static)."""
+  lag, batch = schedule.COMM_SIGNAL_LAG, schedule.COMM_SIGNAL_BATCH
+  plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+  rest = num_tiles - jnp.maximum(num_tiles - lag, 0) // batch * batch
+  for r in range(1, lag + batch):
+    @pl.when((rest == r) & ctx.signal)
+    def _(r=r):
+      emit(r)
+
+
 def push_program(ctx: CommContext, comm_index):
   """Comm CTA `comm_index` of `num_comm` (kernel v3, docs/design.md section 3.2): for each
   peer in schedule order, pushes the staged tiles comm_index, +num_comm, ... to the owner's
@@ -75,7 +104,6 @@ def push_program(ctx: CommContext, comm_index):
   rows, tile_n, stage_wait = config.comm_rows, config.tile_n, ctx.stage_wait
   blocks = config.tile_m // rows
   sets = config.comm_buffer_sets
-  lag, batch = schedule.COMM_SIGNAL_LAG, schedule.COMM_SIGNAL_BATCH
   comm_scoped = dict(buf=plgpu.SMEM((_NUM_COMPUTE_WGS, sets, rows, tile_n), ctx.part_dtype))
 
   @functools.partial(pl.run_scoped, collective_axes="wg", **comm_scoped)
@@ -90,7 +118,10 @@ def push_program(ctx: CommContext, comm_index):
         src = ctx.stage_local.at[step]
         dst = transport.peer_recv(ctx.recv_gmem, rank, o).at[schedule.recv_slot(step)]
 
-        def push(j, carry, o=o, step=step, src=src, dst=dst):
+        def emit(inc, o=o, step=step):
+          transport.signal(sems, rank, o, where.delivered(step, comm_index, wg_idx), inc)
+
+        def push(j, carry, step=step, src=src, dst=dst, emit=emit):
           q = j // blocks
 
           @pl.when((lax.rem(j, blocks) == 0) & stage_wait)
@@ -104,25 +135,11 @@ def push_program(ctx: CommContext, comm_index):
           plgpu.commit_smem()
           plgpu.copy_smem_to_gmem(buf.at[wg_idx, b], dst.at[block(j)])
 
-          landed = q - lag + 1  # tiles that have landed once tile q's stores are issued
-
-          @pl.when((lax.rem(j, blocks) == blocks - 1) & (landed > 0)
-                   & (lax.rem(landed, batch) == 0))
-          def _():
-            # At most `lag` later tiles' stores are pending, so tiles up to q - lag have
-            # landed: announce the last `batch` of them with one signal (its system-scope
-            # fence costs microseconds: once per batch, not per tile).
-            plgpu.wait_smem_to_gmem(lag * blocks, wait_read_only=False)
-            transport.signal(sems, rank, o, where.delivered(step, comm_index, wg_idx), batch)
+          _announce_landed(ctx, j, blocks, emit)
           return carry
 
         lax.fori_loop(0, num_tiles * blocks, push, None)
-        plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-        rest = num_tiles - jnp.maximum(num_tiles - lag, 0) // batch * batch
-        for r in range(1, lag + batch):  # A signal's increment must be static.
-          @pl.when(rest == r)
-          def _(o=o, step=step, r=r):
-            transport.signal(sems, rank, o, where.delivered(step, comm_index, wg_idx), r)
+        _announce_rest(ctx, num_tiles, emit)
 
 
 def pull_program(ctx: CommContext, comm_index):
@@ -130,8 +147,8 @@ def pull_program(ctx: CommContext, comm_index):
   section 3.2): for each remote step s in order (the peer at offset D - 1 - s computes this
   rank's chunk at its step s), TMA-loads that peer's staged partials of tiles comm_index,
   +num_comm, ... over NVLink and TMA-stores them into local receive slot s, `prefetch`
-  blocks of loads in flight per warpgroup; announces each landed tile to the own compute
-  CTAs; then tells every peer it is done reading the peer's staging buffer, and comm CTA 0
+  blocks of loads in flight per warpgroup; announces landed tiles to the own compute CTAs
+  in batches (as push does); then tells every peer it is done reading the peer's staging buffer, and comm CTA 0
   waits until every peer is done with this rank's. No remote store is ever issued here, so
   no load queues behind one (the head-of-line effect, section 3.2)."""
   config, d, num_comm = ctx.config, ctx.num_devices, ctx.num_comm
@@ -140,7 +157,6 @@ def pull_program(ctx: CommContext, comm_index):
   blocks = config.tile_m // rows
   sets = config.comm_buffer_sets
   prefetch, reuse_wait = schedule.comm_prefetch(sets)
-  lag = schedule.COMM_SIGNAL_LAG
   comm_scoped = dict(
       buf=plgpu.SMEM((_NUM_COMPUTE_WGS, sets, rows, tile_n), ctx.part_dtype),
       barrier=plgpu.Barrier(num_barriers=_NUM_COMPUTE_WGS * sets),
@@ -172,7 +188,10 @@ def pull_program(ctx: CommContext, comm_index):
           def _(i=i, load=load):
             load(i)
 
-        def move(j, carry, step=step, dst=dst, load=load):
+        def emit(inc, step=step):
+          transport.signal_local(sems, rank, where.delivered(step, comm_index, wg_idx), inc)
+
+        def move(j, carry, dst=dst, load=load, emit=emit):
           b = lax.rem(j, sets)
           plgpu.barrier_wait(barrier.at[wg_idx * sets + b])
           if ctx.recv_store:
@@ -187,23 +206,11 @@ def pull_program(ctx: CommContext, comm_index):
             plgpu.wait_smem_to_gmem(reuse_wait, wait_read_only=True)
             load(j + prefetch)
 
-          q = j // blocks
-
-          @pl.when((lax.rem(j, blocks) == blocks - 1) & (q >= lag))
-          def _():
-            # Tile q - lag has landed locally once at most `lag` later tiles' stores pend.
-            plgpu.wait_smem_to_gmem(lag * blocks, wait_read_only=False)
-            transport.signal_local(sems, rank, where.delivered(step, comm_index, wg_idx))
+          _announce_landed(ctx, j, blocks, emit)
           return carry
 
         lax.fori_loop(0, count, move, None)
-        plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-
-        def drain(q, carry, step=step):
-          transport.signal_local(sems, rank, where.delivered(step, comm_index, wg_idx))
-          return carry
-
-        lax.fori_loop(jnp.maximum(num_tiles - lag, 0), num_tiles, drain, None)
+        _announce_rest(ctx, num_tiles, emit)
 
       # Each load was waited on before its store: this warpgroup reads no peer any more.
       for o in range(1, d):

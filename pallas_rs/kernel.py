@@ -32,7 +32,8 @@ def _swizzled(block_minor_elems: int, dtype) -> tuple:
   return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-ABLATIONS = frozenset({"comm", "reduce", "gemm", "stage_wait", "recv_store", "owner_wait"})
+ABLATIONS = frozenset({"comm", "reduce", "gemm", "stage_wait", "recv_store", "owner_wait",
+                       "comm_signal"})
 
 
 def _round(x, dtype):
@@ -64,9 +65,12 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
   data movement (the comm CTAs' push rate, measured inside the kernel); "stage_wait" drops the
   comm CTAs' per-tile wait for a staged tile (with "gemm": the cost of those waits);
   "recv_store" drops a pulling comm CTA's store of what it pulled (its loads alone);
-  "owner_wait" drops the owner's wait for its partials (no CTA spins on the counters).
+  "owner_wait" drops the owner's wait for its partials (no CTA spins on the counters);
+  "comm_signal" (only with "owner_wait") drops the comm CTAs' per-tile landed signals too, so
+  that they only move data.
   """
   assert skip <= ABLATIONS, skip
+  assert "comm_signal" not in skip or "owner_wait" in skip, skip
   # The ablation hooks, decided here once (empty `skip`: every stage runs).
   comm_on, reduce_on, gemm_on = ("comm" not in skip), ("reduce" not in skip), ("gemm" not in skip)
   d = num_devices
@@ -315,7 +319,7 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
         sems=sems, where=where, tiles=tiles, part_dtype=part_dtype, tile_slices=tile_slices,
         recv_gmem=recv_gmem, recv_local=recv_local, stage_gmem=stage_gmem,
         stage_local=stage_local, stage_wait="stage_wait" not in skip,
-        recv_store="recv_store" not in skip)
+        recv_store="recv_store" not in skip, signal="comm_signal" not in skip)
 
     @pl.when(cta < num_comm)
     def _comm():

@@ -199,18 +199,26 @@ def _comm_program(rank: int, cta: int, *, comm_ctas: int, num_devices: int,
   for step in range(own_step(d)):
     dst = (rank + dst_offset(step, d)) % d
     slot = recv_slot(step)
-    mine = list(range(cta, tiles_per_chunk, comm_ctas))
-    announced = 0
-    for q, tile in enumerate(mine):
+    for q, tile in enumerate(range(cta, tiles_per_chunk, comm_ctas)):
       events.append(Event("wait_staged", rank, cta, step, tile, rank, slot, target=1))
       events.append(Event("store", rank, cta, step, tile, dst, slot))
-      landed = q - COMM_SIGNAL_LAG + 1
-      if landed > 0 and landed % COMM_SIGNAL_BATCH == 0:
-        events.append(Event("deliver", rank, cta, step, cta, dst, slot, target=COMM_SIGNAL_BATCH))
-        announced += COMM_SIGNAL_BATCH
-    if len(mine) > announced:
-      events.append(Event("deliver", rank, cta, step, cta, dst, slot,
-                          target=len(mine) - announced))
+      events += _deliveries(rank, cta, step, dst, slot, q, tiles_per_chunk, comm_ctas)
+  return events
+
+
+def _deliveries(rank: int, cta: int, step: int, owner: int, slot: int, q: int,
+                tiles_per_chunk: int, comm_ctas: int) -> list[Event]:
+  """The "deliver" events comm CTA `cta` emits after copying its q-th tile of a step (comm.py's
+  _announce_landed and _announce_rest): COMM_SIGNAL_BATCH tiles at a time, COMM_SIGNAL_LAG
+  behind; after its last tile, the rest."""
+  n = len(range(cta, tiles_per_chunk, comm_ctas))
+  landed = q - COMM_SIGNAL_LAG + 1
+  batched = max(n - COMM_SIGNAL_LAG, 0) // COMM_SIGNAL_BATCH * COMM_SIGNAL_BATCH
+  events = []
+  if landed > 0 and landed % COMM_SIGNAL_BATCH == 0:
+    events.append(Event("deliver", rank, cta, step, cta, owner, slot, target=COMM_SIGNAL_BATCH))
+  if q == n - 1 and n > batched:
+    events.append(Event("deliver", rank, cta, step, cta, owner, slot, target=n - batched))
   return events
 
 
@@ -218,21 +226,17 @@ def _pull_program(rank: int, cta: int, *, comm_ctas: int, num_devices: int,
                   tiles_per_chunk: int) -> list[Event]:
   """Pulling comm CTA `cta` of owner `rank`: per remote step s, its tiles of the chunk that
   the source rank - s - 1 staged at its step s: wait for the source's flag, pull (read the
-  source's staging, land in local slot s), announce locally COMM_SIGNAL_LAG tiles later; then
+  source's staging, land in local slot s), announce locally as _comm_program does; then
   tell every peer it is done reading, and CTA 0 waits until all peers are done with its own."""
   d = num_devices
   events = []
   for step in range(own_step(d)):
     src = (rank - step - 1) % d
     slot = recv_slot(step)
-    mine = list(range(cta, tiles_per_chunk, comm_ctas))
-    for q, tile in enumerate(mine):
+    for q, tile in enumerate(range(cta, tiles_per_chunk, comm_ctas)):
       events.append(Event("wait_staged", rank, cta, step, tile, rank, slot, target=1))
       events.append(Event("pull", rank, cta, step, tile, src, slot))
-      if q >= COMM_SIGNAL_LAG:
-        events.append(Event("deliver", rank, cta, step, cta, rank, slot, target=1))
-    for _ in mine[max(0, len(mine) - COMM_SIGNAL_LAG):]:
-      events.append(Event("deliver", rank, cta, step, cta, rank, slot, target=1))
+      events += _deliveries(rank, cta, step, rank, slot, q, tiles_per_chunk, comm_ctas)
   events += [Event("signal_done", rank, cta, 0, 0, (rank + o) % d) for o in range(1, d)]
   if cta == 0:
     events.append(Event("wait_done", rank, cta, 0, 0, rank,

@@ -66,9 +66,9 @@ class NVLinkTransport:
     """Adds `inc` to entry `idx` of the peer at `offset` (after this warpgroup's writes)."""
     pl.semaphore_signal(sems.at[idx], inc, device_id=self._device_id(rank, offset))
 
-  def signal_local(self, sems, rank, idx):
+  def signal_local(self, sems, rank, idx, inc=1):
     del rank
-    plgpu.semaphore_signal(sems.at[idx], 1, memory_scope="gpu")
+    plgpu.semaphore_signal(sems.at[idx], inc, memory_scope="gpu")
 
   def wait(self, sems, rank, idx, value, *, local: bool = False):
     """Waits until this rank's entry `idx` reaches `value` (monotone targets);
@@ -115,8 +115,8 @@ class LoopbackTransport:
   def signal(self, sems, rank, offset: int, idx, inc=1):
     pl.semaphore_signal(sems.at[(self._peer(rank, offset), *idx)], inc)
 
-  def signal_local(self, sems, rank, idx):
-    plgpu.semaphore_signal(sems.at[(rank, *idx)], 1, memory_scope="gpu")
+  def signal_local(self, sems, rank, idx, inc=1):
+    plgpu.semaphore_signal(sems.at[(rank, *idx)], inc, memory_scope="gpu")
 
   def wait(self, sems, rank, idx, value, *, local: bool = False):
     plgpu.semaphore_wait(sems.at[(rank, *idx)], value, decrement=False,

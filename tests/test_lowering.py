@@ -281,7 +281,8 @@ def test_pull_comm_ctas_lower_in_loopback(d, numerics):
   cfg = config_lib.with_numerics(config_lib.Config(comm_ctas=4, comm_mode="pull"), numerics, d)
   xs = jax.ShapeDtypeStruct((d, 256 * d, 256), jnp.bfloat16)
   ws = jax.ShapeDtypeStruct((d, 256, 512), jnp.bfloat16)
-  for ablate in ((), ("comm",), ("gemm",), ("gemm", "stage_wait", "recv_store", "owner_wait")):
+  for ablate in ((), ("comm",), ("gemm",), ("gemm", "stage_wait", "recv_store", "owner_wait"),
+                 ("gemm", "stage_wait", "recv_store", "owner_wait", "comm_signal")):
     jax.export.export(jax.jit(functools.partial(
         fused.loopback_matmul_reduce_scatter, config=cfg, ablate=ablate)), platforms=["cuda"])(
             xs, ws)
