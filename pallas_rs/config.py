@@ -314,8 +314,8 @@ def search_space(*, m: int, n: int, k_shard: int, num_devices: int,
                  num_sms: int = DEFAULT_NUM_SMS) -> Iterator[Config]:
   """Every config the tuner may try for this shape: valid and within the SMEM limit.
 
-  Comm CTAs push (comm_mode "pull" moves data at the same measured rate per comm CTA and needs
-  jax >= 0.11.2 on devices: opt-in, not searched)."""
+  Comm CTAs push here; the pulling ones (faster per comm CTA, jax >= 0.11.2 on devices) are
+  tried around a tuned config by candidates.comm_variants (autotune.py --candidates=comm)."""
   # Fixed per D by the error rule (default_numerics), not tuned.
   partial_dtype, owner_sum = NUMERICS_MODES[default_numerics(num_devices)]
   for tile_m, tile_n, steps, recv_stages, minor, width, eager, comm, out_slots in (
