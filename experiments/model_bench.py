@@ -60,6 +60,7 @@ import datetime
 import functools
 from pathlib import Path
 import sys
+import time
 from typing import Any
 
 from absl import app
@@ -206,7 +207,8 @@ def _step_us(record) -> float | None:
   return timing["host_batch_us"] or timing["stats"]["median"]
 
 
-def sweep(mode: str, implementations: Sequence[str]) -> list[dict[str, Any]]:
+def sweep(mode: str, implementations: Sequence[str],
+          checkpoint=lambda records, done: None) -> list[dict[str, Any]]:
   import jax  # pylint: disable=g-import-not-at-top
   from jax.sharding import Mesh  # pylint: disable=g-import-not-at-top
   from pallas_rs import reference  # pylint: disable=g-import-not-at-top
@@ -297,6 +299,7 @@ def sweep(mode: str, implementations: Sequence[str]) -> list[dict[str, Any]]:
               layer: (None if _step_us(by_impl[f"{NO_COMM}_{layer}"]) is None
                       else t_impl - _step_us(by_impl[f"{NO_COMM}_{layer}"]))
               for layer in LAYERS}
+      checkpoint(records, f"m={m} {pass_name}")
   return records
 
 
@@ -332,16 +335,25 @@ def main(argv: Sequence[str]) -> int:
                          f"{gate.IMPLEMENTATIONS}")
   if mode == "smoke" and jax.default_backend() != "cpu":
     raise app.UsageError("smoke mode runs on CPU (JAX_PLATFORMS=cpu)")
-  records = sweep(mode, implementations)
   doc = {"schema_version": 1, "benchmark": "model_bench",
          "environment": bench_env.environment_block(sys.argv),
          "flags": {name: FLAGS[name].value for name in (
              "mode", "model", "m", "num_devices", "implementations", "passes",
              "iterations", "warmup", "timer", "attention", "seed", "per_layer")},
-         "records": records}
+         "complete": False, "records": []}
   out = Path(FLAGS.out) if FLAGS.out else (
       bench_env.default_out(f"model_{mode}_"
                             f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}.json"))
+  start = time.perf_counter()
+
+  def checkpoint(records, done: str) -> None:
+    # After every (m, pass): a run cut short keeps what it measured.
+    bench_env.write_json(out, bench_env.sanitize({**doc, "records": records}))
+    print(f"{done}: {len(records)} records ({time.perf_counter() - start:.0f} s), "
+          f"written to {out}", flush=True)
+
+  records = sweep(mode, implementations, checkpoint)
+  doc.update(complete=True, records=records)
   bench_env.write_json(out, bench_env.sanitize(doc))
   print(format_table(records))
   if mode == "smoke":

@@ -11,9 +11,12 @@ Per results file `<stem>.json`, writes to --out_dir:
   single_gpu:
     <stem>_local_ratio.png T_fused / T_xla of the D = 1 GEMM per shape.
     <stem>_loopback.png    loopback GEMM-only, reference and fused times.
+  model_bench.py results (the TP block end to end):
+    <stem>_block.png       per (M, pass): T(xla) / T(impl) per implementation, and the share
+                           of the block's time its communication still exposes.
 Plots of host-wall-clock (smoke) results are titled "NO PERFORMANCE CLAIMS".
-Files that are not harness results (autotune, numerics, probe, check JSONs: other schemas) are
-skipped with one printed line each.
+Files of other schemas (autotune, numerics, probe, check JSONs) are skipped with one printed
+line each.
 """
 from __future__ import annotations
 
@@ -156,6 +159,38 @@ def plot_single_gpu(doc, stem: str, out_dir: Path) -> list[Path]:
   return written
 
 
+def plot_model_bench(doc, stem: str, out_dir: Path) -> list[Path]:
+  """The block end to end: speedup over XLA and exposed communication per (M, pass)."""
+  groups: dict[str, dict[str, dict]] = {}
+  for r in doc["records"]:
+    if r.get("metrics"):
+      groups.setdefault(f"M={r['shape']['m']} {r['pass']}", {})[r["implementation"]] = r
+  labels = list(groups)
+  impls = sorted({i for recs in groups.values() for i in recs})
+  fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(6, 0.9 * len(labels) + 3), 7))
+  _bar_groups(top, labels, {i: [(groups[g].get(i, {}).get("metrics") or {}).get(
+      "speedup_vs_xla") for g in labels] for i in impls},
+              "T(xla) / T(impl) (higher is better)")
+  top.axhline(1.0, color="red", linestyle="--", linewidth=1)
+  lo = [v for recs in groups.values() for r in recs.values()
+        if (v := r["metrics"].get("speedup_vs_xla")) is not None]
+  if lo:
+    top.set_ylim(min(lo) - 0.05, max(lo) + 0.05)
+  model = doc["records"][0]["shape"].get("model", "") if doc["records"] else ""
+  top.set_title(_title({**doc, "mode": doc.get("flags", {}).get("mode"),
+                        "timer": doc["records"][0].get("timer") if doc["records"] else None,
+                        "performance_claims": all(r.get("performance_claims")
+                                                  for r in doc["records"])},
+                       f"{model} TP block vs XLA"), fontsize=8)
+  _bar_groups(bottom, labels, {i: [100 * v if (v := (groups[g].get(i, {}).get("metrics")
+                                                     or {}).get("exposed_comm_share"))
+                                   is not None else None for g in labels] for i in impls},
+              "exposed communication, % of step")
+  for ax in (top, bottom):
+    ax.set_xlabel("tokens M, pass", fontsize=8)
+  return [_save(fig, out_dir / f"{stem}_block.png")]
+
+
 def not_harness_results(doc) -> str | None:
   """None if `doc` is a matmul_rs_bench results file (what this script plots), else why not."""
   if not isinstance(doc, dict):
@@ -169,6 +204,13 @@ def not_harness_results(doc) -> str | None:
   return None
 
 
+def why_not_plotted(doc) -> str | None:
+  """None if this script plots `doc` (a harness or model_bench results file), else why not."""
+  if isinstance(doc, dict) and doc.get("benchmark") == "model_bench":
+    return None if isinstance(doc.get("records"), list) else "model_bench without records"
+  return not_harness_results(doc)
+
+
 def plot_file(path: Path, out_dir: Path) -> list[Path]:
   """The PNGs of one harness results file; [] (with a printed line) for any other JSON."""
   try:
@@ -176,10 +218,12 @@ def plot_file(path: Path, out_dir: Path) -> list[Path]:
   except (OSError, ValueError) as e:
     print(f"skip {path}: not readable as JSON ({type(e).__name__}: {e})")
     return []
-  why = not_harness_results(doc)
+  why = why_not_plotted(doc)
   if why is not None:
-    print(f"skip {path}: not a matmul_rs_bench results file ({why})")
+    print(f"skip {path}: not a matmul_rs_bench or model_bench results file ({why})")
     return []
+  if doc.get("benchmark") == "model_bench":
+    return plot_model_bench(doc, path.stem, out_dir)
   if doc.get("mode") == "single_gpu":
     return plot_single_gpu(doc, path.stem, out_dir)
   return plot_sharded(doc, path.stem, out_dir)

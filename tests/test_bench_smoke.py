@@ -246,6 +246,27 @@ def test_plot_single_gpu_json(tmp_path):
   assert all(p.stat().st_size > 0 for p in written)
 
 
+def test_plot_model_bench_json(tmp_path):
+  # The block plot of a (synthetic) model_bench results file: one PNG, one bar per
+  # implementation and (M, pass); records without metrics (no_comm) are left out.
+  plot = helpers.load_script("plot_results")
+  shape = {"model": "llama70b", "m": 2048, "num_devices": 2}
+  def rec(impl, metrics):
+    return {"shape": shape, "pass": "forward", "implementation": impl, "status": "ok",
+            "timer": "cupti", "performance_claims": True, "metrics": metrics}
+  doc = {"benchmark": "model_bench", "flags": {"mode": "multi_gpu"},
+         "environment": {"device_kind": "H200", "device_count": 2},
+         "records": [rec("xla", {"speedup_vs_xla": 1.0, "exposed_comm_share": 0.08}),
+                     rec("no_comm", None),
+                     rec("auto", {"speedup_vs_xla": 1.03, "exposed_comm_share": 0.05})]}
+  path = tmp_path / "model_x.json"
+  path.write_text(json.dumps(doc))
+  assert plot.why_not_plotted(doc) is None
+  (written,) = plot.plot_file(path, tmp_path)
+  assert written.name == "model_x_block.png" and written.stat().st_size > 0
+  assert plot.why_not_plotted({"benchmark": "model_bench"}) is not None
+
+
 def test_seed_shapes_run_at_the_visible_device_count(harness):
   seed = shapes.by_name("llama70b_o_proj_m2048")
   proxy = shapes.by_name("llama70b_o_proj_m2048_proxy8")
@@ -283,7 +304,7 @@ def test_proxy8_flag_selects_the_proxies(bench):
 def test_readme_plot_command_on_the_committed_results(tmp_path):
   # experiments/README.md's plot command, as written but for --out_dir: every committed JSON is
   # plotted or skipped with one line (autotune, numerics, probe and check files are other
-  # schemas), and the run succeeds.
+  # schemas; harness and model_bench files are plotted), and the run succeeds.
   readme = (REPO / "experiments" / "README.md").read_text()
   (pattern,) = re.findall(r"plot_results\.py --results='([^']+)'", readme)
   res = subprocess.run([sys.executable, str(PLOT), f"--results={pattern}",
@@ -298,7 +319,7 @@ def test_readme_plot_command_on_the_committed_results(tmp_path):
     doc = json.loads(path.read_text())
     rel = str(path.relative_to(REPO))
     skipped = [l for l in lines if l.startswith(f"skip {rel}: ")]
-    if plot.not_harness_results(doc) is None:
+    if plot.why_not_plotted(doc) is None:
       assert not skipped, skipped
       assert any(l.startswith(f"wrote {tmp_path / path.stem}_") for l in lines), rel
     else:

@@ -97,7 +97,10 @@ def test_model_bench_per_layer_smoke(tmp_path):
        "--passes=forward_backward", "--per_layer", f"--out={out}"],
       capture_output=True, text=True, env=env, timeout=300, check=False)
   assert res.returncode == 0, res.stderr[-3000:]
-  records = json.loads(out.read_text())["records"]
+  doc = json.loads(out.read_text())
+  assert doc["complete"] is True
+  assert "m=64 forward_backward: " in res.stdout  # the progress line after each (m, pass)
+  records = doc["records"]
   assert {r["implementation"] for r in records} == {
       "xla", "no_comm", *(f"no_comm_{layer}" for layer in no_comm.LAYERS)}
   (xla,) = [r for r in records if r["implementation"] == "xla"]
