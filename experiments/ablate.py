@@ -1,10 +1,16 @@
 """Where the fused kernel's time goes: the kernel with one stage left out at a time.
 
   NCCL_NVLS_ENABLE=0 PYTHONPATH=. python experiments/ablate.py --names=llama70b_o_proj_m512
+  # The GEMM core alone against XLA's dot at small M, for several tile shapes (issue 19):
+  ... ablate.py --names=llama70b_o_proj_m512,llama70b_o_proj_m512_proxy8 \
+      --configs=table,t64x128,t128x64,t64x64 --ablations=fused,neither
 
-Per seed shape, times (CUPTI device time, median of --iterations) the fused kernel as is and
-with `ablate` = "comm" (peer tiles stored locally, no signals or waits), "reduce" (no loads and
-adds of received partials), both; plus XLA's dot alone (T_gemm) and dot + psum_scatter (T_seq).
+Per shape (seed or proxy8 names) and config (--configs: variant names of
+config_variants.variant_config applied to the config "fused" runs for the shape: the tuning
+table's, else the default), times (CUPTI device time, median of --iterations) the fused kernel
+as is and with `ablate` = "comm" (peer tiles stored locally, no signals or waits), "reduce" (no
+loads and adds of received partials), both ("neither": the GEMM core and its local epilogue);
+plus XLA's dot alone (T_gemm) and dot + psum_scatter (T_seq).
 Differences give the exposed cost of each stage (BUILD_NOTES "What to try first"). On several
 GPUs this runs the NVLink path over all of them (D = GPU count); on one GPU the loopback at
 --num_devices virtual ranks, where "communication" is a local copy. Only the unablated kernel's
@@ -18,6 +24,7 @@ import statistics
 import sys
 
 import bench_env  # experiments/ is sys.path[0] when run as a script.
+from config_variants import variant_config
 
 from absl import app
 from absl import flags
@@ -28,9 +35,12 @@ _NUM_DEVICES = flags.DEFINE_integer("num_devices", 8, "Loopback (one GPU): virtu
 _ITERS = flags.DEFINE_integer("iterations", 100, "Timed iterations per variant.")
 _OUT = flags.DEFINE_string("out", "", "JSON output path; default experiments/out/"
                            "ablate_<mode>.json (git-ignored).")
+_CONFIGS = flags.DEFINE_list("configs", ["table"], "Config variants per shape "
+                             "(config_variants.variant_config names; 'table' = as tuned).")
 
 VARIANTS = {"fused": (), "no_comm": ("comm",), "no_reduce": ("reduce",),
-            "no_comm_no_reduce": ("comm", "reduce")}
+            "neither": ("comm", "reduce")}
+_ABLATIONS = flags.DEFINE_list("ablations", list(VARIANTS), f"Which of {list(VARIANTS)}.")
 
 
 def require_gpu(jax) -> None:
@@ -44,8 +54,11 @@ def main(argv):
   import jax  # pylint: disable=g-import-not-at-top
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from pallas_rs import fused, reference, shapes, testing, timing  # pylint: disable=g-import-not-at-top
+  from pallas_rs import fused, gate, reference, shapes, testing, timing  # pylint: disable=g-import-not-at-top
 
+  bad = set(_ABLATIONS.value) - set(VARIANTS)
+  if bad:
+    raise app.UsageError(f"--ablations: {sorted(bad)} not in {list(VARIANTS)}")
   require_gpu(jax)
   gpus = jax.devices()
   nvlink = len(gpus) >= 2
@@ -62,9 +75,9 @@ def main(argv):
       args = testing.generate(0, m, d * k_shard, n, num_devices=d,
                               shardings=testing.row_parallel_shardings(mesh, "tp"))
       ref = testing.stacked_reference(*testing.split_inputs(*args, d))
-      build = lambda ablate: jax.jit(jax.shard_map(functools.partial(
-          fused.fused_matmul_reduce_scatter, axis_name="tp", num_devices=d, ablate=ablate),
-          **specs))
+      build = lambda ablate, cfg: jax.jit(jax.shard_map(functools.partial(
+          fused.fused_matmul_reduce_scatter, axis_name="tp", num_devices=d, ablate=ablate,
+          config=cfg), **specs))
       baselines = {
           "xla_seq": jax.jit(jax.shard_map(functools.partial(
               reference.matmul_reduce_scatter, axis_name="tp"), **specs)),
@@ -76,26 +89,42 @@ def main(argv):
     else:
       args = testing.stacked_inputs(0, d, m, k_shard, n)
       ref = testing.stacked_reference(*args)
-      build = lambda ablate: jax.jit(functools.partial(
-          fused.loopback_matmul_reduce_scatter, ablate=ablate))
+      build = lambda ablate, cfg: jax.jit(functools.partial(
+          fused.loopback_matmul_reduce_scatter, ablate=ablate, config=cfg))
       baselines = {"xla_seq": jax.jit(reference.loopback_matmul_reduce_scatter),
                    "xla_gemm": jax.jit(lambda a, b: jnp.einsum(
                        "dmk,dkn->dmn", a, b, preferred_element_type=jnp.float32).astype(a.dtype))}
       check = lambda out: reference.max_rel_error(jax.device_get(out), ref)
-    fns = {label: build(ablate) for label, ablate in VARIANTS.items()} | baselines
+    base = gate._tuned_config(m=m, k_shard=k_shard, n=n, dtype=args[0].dtype, num_devices=d)  # pylint: disable=protected-access
+    fns, row["configs"] = dict(baselines), {}
+    for cname in _CONFIGS.value:
+      cfg = variant_config(base, cname)
+      try:
+        cfg.check_shape(m=m, n=n, k_shard=k_shard, num_devices=d)
+      except NotImplementedError as e:
+        row["configs"][cname] = f"unavailable: {e}"
+        continue
+      row["configs"][cname] = repr(cfg)
+      for label in _ABLATIONS.value:
+        fns[label if cname == "table" else f"{cname}:{label}"] = build(VARIANTS[label], cfg)
     for label, fn in fns.items():
       t = timing.time_function(fn, args, iterations=_ITERS.value, num_devices=d if nvlink else 1)
       row["times_us"][label] = t.times_us
       row.setdefault("timer", t.timer)
-    row["fused_max_rel_error"] = check(fns["fused"](*args))
+    for label in fns:
+      if label.endswith("fused"):  # every unablated kernel's output is checked
+        row.setdefault("max_rel_error", {})[label] = check(fns[label](*args))
     rows.append(row)
     med = {k: statistics.median(v) for k, v in row["times_us"].items()}
     print(name, {k: round(v, 1) for k, v in med.items()}, flush=True)
 
-  print(f"\n{'shape':32} {'D':>2} {'transport':9} " + " ".join(f"{k:>17}" for k in rows[0]["times_us"]))
+  print(f"\n{'shape':32} {'D':>2} {'config':>10} {'variant':>10} {'us':>9} {'/ xla_gemm':>10}")
   for r in rows:
-    med = [statistics.median(v) for v in r["times_us"].values()]
-    print(f"{r['name']:32} {r['d']:>2} {r['transport']:9} " + " ".join(f"{v:17.1f}" for v in med))
+    med = {k: statistics.median(v) for k, v in r["times_us"].items()}
+    for label, t in med.items():
+      cname, _, variant = label.rpartition(":")
+      print(f"{r['name']:32} {r['d']:>2} {cname or ('-' if label.startswith('xla') else 'table'):>10} "
+            f"{variant:>10} {t:9.1f} {t / med['xla_gemm']:10.3f}")
   out = Path(_OUT.value) if _OUT.value else bench_env.default_out(f"ablate_{mode}.json")
   bench_env.write_json(out, bench_env.sanitize(
       dict(environment=bench_env.environment_block(sys.argv), rows=rows)))

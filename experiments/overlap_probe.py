@@ -12,7 +12,6 @@ communication is the difference). JSON with raw times under --out; a table last.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 from pathlib import Path
 import statistics
@@ -20,6 +19,7 @@ import sys
 import time
 
 import bench_env  # experiments/ is sys.path[0] when run as a script.
+from config_variants import variant_config
 
 from absl import app
 from absl import flags
@@ -34,7 +34,8 @@ _PROXY = flags.DEFINE_list(
     "Shapes also timed as their proxy8 case (k = K / 4: at D = 2 the k_shard of D = 8).")
 _VARIANTS = flags.DEFINE_list(
     "variants", ["v1", "c2", "c4", "c8", "c16", "c4_f32", "direct_f32"],
-    "Config variants (overlap_probe.variant_config): v1, cN, oN, f32/bf16 tokens, e.g. c4_bf16.")
+    "Config variants (config_variants.variant_config): v1, cN, pN, oN, tMxN, sK, f32/bf16, "
+    "ring tokens, e.g. c4_bf16.")
 _ITERS = flags.DEFINE_integer("iterations", 40, "Timed iterations per variant.")
 _COMM_ABLATIONS = flags.DEFINE_list(
     "comm_ablations", ["gemm", "gemm+stage_wait"],
@@ -44,29 +45,6 @@ _SCALE = flags.DEFINE_integer("scale", 1, "Divide the check cases' n and k_shard
                               "(plumbing tests on CPU).")
 _OUT = flags.DEFINE_string("out", "", "JSON output path; default experiments/out/"
                            "overlap_probe.json (git-ignored).")
-
-
-def variant_config(base, name: str):
-  """The config of a variant name, "_"-separated tokens applied to `base`: v1 (as is: the
-  direct push), cN (N comm CTAs pushing), pN (N comm CTAs pulling), oN (N epilogue SMEM slots), f32 / bf16 (partial dtype),
-  ring (numerics mode "unfused_order": bf16 partials summed in the unfused path's order);
-  then fitted to SMEM at D = 2 (`config.fit_smem`)."""
-  from pallas_rs import config as config_lib  # pylint: disable=g-import-not-at-top
-  cfg = base
-  for token in name.split("_"):
-    if token in ("f32", "bf16"):
-      cfg = config_lib.with_partial_dtype(
-          cfg, "float32" if token == "f32" else "bfloat16", 2)
-    elif token == "ring":
-      cfg = config_lib.with_numerics(cfg, "unfused_order", 2)
-    elif token[0] in "cpo" and token[1:].isdigit():
-      field = "out_slots" if token[0] == "o" else "comm_ctas"
-      cfg = dataclasses.replace(cfg, **{field: int(token[1:])})
-      if token[0] == "p":
-        cfg = dataclasses.replace(cfg, comm_mode="pull")
-    elif token != "v1":
-      raise ValueError(f"unknown variant token {token!r} in {name!r}")
-  return config_lib.fit_smem(cfg, 2)
 
 
 def require_gpu(jax) -> None:

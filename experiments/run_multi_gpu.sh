@@ -10,6 +10,8 @@
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh model    # TP block end to end; backward AG gate
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh roofline # NVLink push/pull/local TMA vs CUDA figures
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh mesh2d   # 4 GPUs: (dp, tp) = (2, 2) vs 1-D D = 2
+#   OUT=/tmp/mg bash experiments/run_multi_gpu.sh smallm   # M = 512/2048: GEMM core vs XLA's dot per tile shape
+#   OUT=/tmp/mg bash experiments/run_multi_gpu.sh smallm_proxy8  # the same at D = 8's k_shard
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_ALLOCATOR=default
 out=${OUT:-/tmp/mg}; mkdir -p "$out"
@@ -66,6 +68,17 @@ llama70b_o_proj_m512,llama70b_o_proj_m32768,mixtral8x22b_w2_m2048,llama70b_down_
     # (issue 21; needs 4 GPUs; the script skips the shapes it cannot start within 420 s).
     timeout 470 python3 experiments/mesh2d_check.py --out="$out/mesh2d_check.json" 2>&1 \
       | quiet | tail -24 ;;
-  *) echo "usage: $0 check|sweep|proxy8|ablate|probe|numerics|model|roofline|mesh2d" >&2
+  smallm|smallm_proxy8)
+    # Issue 19: the kernel without communication or owner sum ("neither") against XLA's dot,
+    # for the table's tiles and smaller ones, at M = 512 and 2048.
+    suffix=""; [ "$1" = smallm_proxy8 ] && suffix=_proxy8
+    names=""
+    for p in llama70b_o_proj llama70b_down_proj mixtral8x22b_o_proj mixtral8x22b_w2; do
+      for m in 512 2048; do names="$names${names:+,}${p}_m${m}${suffix}"; done
+    done
+    timeout 540 python3 experiments/ablate.py --names="$names" --iterations=50 \
+      --configs=table,t64x128,t128x64,t64x64 --ablations=fused,neither \
+      --out="$out/ablate_$1.json" 2>&1 | quiet | tail -75 ;;
+  *) echo "usage: $0 check|sweep|proxy8|ablate|probe|numerics|model|roofline|mesh2d|smallm|smallm_proxy8" >&2
      exit 2 ;;
 esac

@@ -18,14 +18,18 @@ fused.fused_matmul_reduce_scatter = stand_in
 def test_ablate_script_plumbing(tmp_path):
   out = tmp_path / "ablate.json"
   proc = helpers.run_script_with_stand_ins(
-      "ablate.py", ["--names=llama70b_o_proj_m512", "--iterations=2", f"--out={out}"],
+      "ablate.py", ["--names=llama70b_o_proj_m512", "--iterations=2", f"--out={out}",
+                    "--configs=table,t64x128", "--ablations=fused,neither"],
       stand_ins=STAND_INS, after_load="mod.require_gpu = lambda jax: None")
   assert proc.returncode == 0, proc.stderr[-3000:]
   result = json.loads(out.read_text())
   (row,) = result["rows"]
   assert row["d"] == 8 and row["transport"] == "nvlink"
-  assert set(row["times_us"]) == {"fused", "no_comm", "no_reduce", "no_comm_no_reduce",
+  assert set(row["times_us"]) == {"fused", "neither", "t64x128:fused", "t64x128:neither",
                                   "xla_seq", "xla_gemm"}
+  assert "tile_m=64" in row["configs"]["t64x128"] and "tile_n=128" in row["configs"]["t64x128"]
   assert all(len(v) == 2 and min(v) > 0 for v in row["times_us"].values())
-  assert row["fused_max_rel_error"] < 2.0**-7  # bf16 output of the stand-in
+  # Every unablated kernel is checked (bf16 output of the stand-in).
+  assert set(row["max_rel_error"]) == {"fused", "t64x128:fused"}
+  assert max(row["max_rel_error"].values()) < 2.0**-7
   assert result["environment"]["jax_version"]

@@ -34,6 +34,10 @@ def test_variant_names(overlap_probe):
   assert overlap_probe.variant_config(base, "o4_f32").partial_dtype == "float32"
   p4 = overlap_probe.variant_config(base, "p4_ring")
   assert (p4.comm_ctas, p4.comm_mode, p4.numerics) == (4, "pull", "unfused_order")
+  t = overlap_probe.variant_config(base, "t64x128_s4_p8")
+  assert (t.tile_m, t.tile_n, t.comm_ctas, t.comm_mode) == (64, 128, 8, "pull")
+  assert t.max_concurrent_steps <= 4 and t.fits_smem(2)
+  assert overlap_probe.variant_config(base, "table") == base
   with pytest.raises(ValueError, match="unknown variant token"):
     overlap_probe.variant_config(base, "x9")
 

@@ -1,0 +1,41 @@
+"""Config variants by name, for the experiment scripts (overlap_probe.py, ablate.py).
+
+A name is "_"-separated tokens applied in order to a base config (`variant_config`), e.g.
+"p4_ring" (4 pulling comm CTAs, unfused_order numerics) or "t64x128_s4" (64 x 128 warpgroup
+tiles, a 4-step pipeline).
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+
+def variant_config(base, name: str):
+  """The config of a variant name, "_"-separated tokens applied to `base`: v1 (as is: the
+  direct push), cN (N comm CTAs pushing), pN (N comm CTAs pulling), oN (N epilogue SMEM
+  slots), tMxN (warpgroup tile M x N: tile_m, tile_n), sK (K pipeline steps), f32 / bf16
+  (partial dtype), ring (numerics mode "unfused_order"); then fitted to SMEM at D = 2
+  (`config.fit_smem`). "table" is accepted as a no-op (the base is the table's config)."""
+  from pallas_rs import config as config_lib  # pylint: disable=g-import-not-at-top
+  cfg = base
+  for token in name.split("_"):
+    tile = re.fullmatch(r"t(\d+)x(\d+)", token)
+    if token in ("f32", "bf16"):
+      cfg = config_lib.with_partial_dtype(
+          cfg, "float32" if token == "f32" else "bfloat16", 2)
+    elif token == "ring":
+      cfg = config_lib.with_numerics(cfg, "unfused_order", 2)
+    elif tile:
+      tile_m, tile_n = int(tile[1]), int(tile[2])
+      cfg = dataclasses.replace(cfg, tile_m=tile_m, tile_n=tile_n,
+                                epi_tile_n=min(cfg.epi_tile_n, tile_n))
+    elif token[0] == "s" and token[1:].isdigit():
+      cfg = dataclasses.replace(cfg, max_concurrent_steps=int(token[1:]))
+    elif token[0] in "cpo" and token[1:].isdigit():
+      field = "out_slots" if token[0] == "o" else "comm_ctas"
+      cfg = dataclasses.replace(cfg, **{field: int(token[1:])})
+      if token[0] == "p":
+        cfg = dataclasses.replace(cfg, comm_mode="pull")
+    elif token not in ("v1", "table"):
+      raise ValueError(f"unknown variant token {token!r} in {name!r}")
+  return config_lib.fit_smem(cfg, 2)
