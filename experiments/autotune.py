@@ -336,8 +336,12 @@ def multi_gpu_candidates(*, m: int, n: int, k_shard: int, d: int) -> list:
                                         max_configs=FLAGS.max_configs)
   from pallas_rs import fused  # pylint: disable=g-import-not-at-top
   from pallas_rs import gate  # pylint: disable=g-import-not-at-top
-  base = gate._tuned_config(m=m, k_shard=k_shard, n=n, dtype="bfloat16", num_devices=d)  # pylint: disable=protected-access
-  if base is None:
+  from pallas_rs import platform  # pylint: disable=g-import-not-at-top
+  try:  # The config "fused" runs for the shape on this GPU kind: the table's, else the default.
+    base = gate.decide("matmul_rs", m=m, k_shard=k_shard, n=n, dtype="bfloat16",
+                       num_devices=d, implementation="fused",
+                       gpu_kind=platform.device_kind()).config.config
+  except NotImplementedError:
     return []
   return candidates.comm_variants(base, m=m, n=n, k_shard=k_shard, num_devices=d,
                                   pull=fused.remote_tma_loads_supported())

@@ -92,7 +92,7 @@ flags.DEFINE_integer("num_devices", None, "D. multi_gpu/smoke: devices used "
                      "single_gpu: extra loopback D besides 8; custom shapes: "
                      "their D (default 8).")
 flags.DEFINE_list("implementations", None,
-                  "Among pallas_rs.gate.IMPLEMENTATIONS; default 'xla' in smoke "
+                  "Among pallas_rs.api.IMPLEMENTATIONS; default 'xla' in smoke "
                   "mode, 'fused' otherwise. Baselines are always timed.")
 flags.DEFINE_integer("iterations", 200, "Timed iterations per function.")
 flags.DEFINE_integer("warmup", 2, "Untimed calls after compilation.")
@@ -158,15 +158,15 @@ def main(argv: Sequence[str]) -> int:
   mode = configure_environment(FLAGS.mode)
   import jax  # pylint: disable=g-import-not-at-top
   import harness  # pylint: disable=g-import-not-at-top
-  from pallas_rs import gate  # pylint: disable=g-import-not-at-top
+  from pallas_rs import api  # pylint: disable=g-import-not-at-top
   from pallas_rs import timing  # pylint: disable=g-import-not-at-top
 
   implementations = FLAGS.implementations
   if implementations is None:
     implementations = ["xla"] if mode == "smoke" else ["fused"]
-  bad = [i for i in implementations if i not in gate.IMPLEMENTATIONS]
+  bad = [i for i in implementations if i not in api.IMPLEMENTATIONS]
   if bad:
-    raise app.UsageError(f"--implementations: {bad} not in {gate.IMPLEMENTATIONS}")
+    raise app.UsageError(f"--implementations: {bad} not in {api.IMPLEMENTATIONS}")
   if FLAGS.iterations < 1 or FLAGS.warmup < 0:
     raise app.UsageError(f"--iterations={FLAGS.iterations} must be >= 1 and "
                          f"--warmup={FLAGS.warmup} >= 0")

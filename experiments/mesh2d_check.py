@@ -104,12 +104,9 @@ def kernel_config(m, n, k_shard):
   """The config "fused" runs for this per-device shape at D = 2 (the tuning table's for the shape
   where there is one, else the default): one config for the 2-D and the 1-D runs. With
   --lower_only, the one the table gives --gpu_kind."""
-  if _LOWER_ONLY.value:
-    return gate.choose(m=m, n=n, k_shard=k_shard, dtype="bfloat16", num_devices=D,
-                       gpu_kind=_GPU_KIND.value).config
-  return gate.choose_implementation(
-      m=m, k_shard=k_shard, n=n, dtype=jnp.bfloat16, num_devices=D, scatter_dimension=0,
-      implementation="fused", config=None).config
+  gpu_kind = _GPU_KIND.value if _LOWER_ONLY.value else None
+  return gate.decide("matmul_rs", m=m, k_shard=k_shard, n=n, dtype=jnp.bfloat16,
+                     num_devices=D, implementation="fused", gpu_kind=gpu_kind).config.config
 
 
 def programs(mesh2, mesh1, config):
@@ -167,11 +164,11 @@ def check_shape(name, m, n, k, seed, mesh2, mesh1) -> dict:
   diffs = [differing(fns["fused_1d"](x1[g], w1), out[g * m:(g + 1) * m]) for g in range(G)]
   row.update(bits_differing_vs_1d=diffs, bit_identical_1d=not any(diffs))
   # "auto": the shape-level decision (table at D = 2), and its output bits.
-  decision = gate.choose(m=m, n=n, k_shard=k_shard, dtype="bfloat16", num_devices=D,
-                         gpu_kind=platform.device_kind())
+  decision = gate.decide("matmul_rs", m=m, k_shard=k_shard, n=n, dtype="bfloat16",
+                         num_devices=D, gpu_kind=platform.device_kind())
   auto = fns["auto_2d"](x, w)
   expected = out if decision.implementation == "fused" else base
-  row.update(auto_expected=decision.implementation, auto_source=decision.source,
+  row.update(auto_expected=decision.implementation, auto_reason=decision.reason,
              auto_bits_differing=differing(auto, expected))
   row["ok_auto"] = row["auto_bits_differing"] == 0
   row["ok"] = row["ok_error"] and row["bit_identical_1d"] and row["ok_auto"]

@@ -105,7 +105,7 @@ flags.DEFINE_integer("num_devices", None, "D. multi_gpu: default all visible "
                      "GPUs; smoke: default 8; single_gpu: the D whose "
                      "per-device share is run (default 8).")
 flags.DEFINE_list("implementations", "xla,fused,auto",
-                  "Among pallas_rs.gate.IMPLEMENTATIONS; xla and no_comm always run.")
+                  "Among pallas_rs.api.IMPLEMENTATIONS; xla and no_comm always run.")
 flags.DEFINE_list("passes", ",".join(PASSES), f"Among {PASSES}.")
 flags.DEFINE_integer("iterations", 50, "Timed iterations (smoke: "
                      f"{SMOKE_ITERATIONS} unless given).")
@@ -143,22 +143,25 @@ def _resolved(dims, m: int, d: int, implementation: str) -> dict[str, str]:
   out = {}
   for name, n in (("qkv", (hq + 2 * hkv) * hd), ("gate_up", 2 * f_shard)):
     try:
-      impl, _, reason = gate.choose_ag_implementation(
-          m_shard=m // d, k=hidden, n=n, dtype=jnp.bfloat16,
-          out_dtype=jnp.bfloat16, num_devices=d, gather_dimension=0,
-          implementation=ag_impl)
-      out[name] = impl if reason is None else f"{impl} ({reason})"
+      decision = gate.decide("ag_matmul", m=m, k_shard=hidden, n=n, dtype=jnp.bfloat16,
+                             num_devices=d, implementation=ag_impl)
+      out[name] = _described(decision)
     except NotImplementedError as e:
       out[name] = f"unavailable ({e})"
   for name, k_shard in (("o_proj", hq * hd), ("down_proj", f_shard)):
     try:
-      impl, _, reason = gate.choose_implementation(
-          m=m, k_shard=k_shard, n=hidden, dtype=jnp.bfloat16, num_devices=d,
-          scatter_dimension=0, implementation=implementation, config=None)
-      out[name] = impl if reason is None else f"{impl} ({reason})"
+      decision = gate.decide("matmul_rs", m=m, k_shard=k_shard, n=hidden, dtype=jnp.bfloat16,
+                             num_devices=d, implementation=implementation)
+      out[name] = _described(decision)
     except NotImplementedError as e:
       out[name] = f"unavailable ({e})"
   return out
+
+
+def _described(decision) -> str:
+  """"fused", or "xla (why)" where "auto" fell back."""
+  fallback = decision.fallback
+  return decision.implementation if fallback is None else f"{decision.implementation} ({fallback})"
 
 
 def _without(variant: str) -> tuple[str, ...]:
@@ -325,11 +328,11 @@ def main(argv: Sequence[str]) -> int:
   mode = bench_env.configure_environment(FLAGS.mode)
   implementations = list(FLAGS.implementations)
   import jax  # pylint: disable=g-import-not-at-top
-  from pallas_rs import gate  # pylint: disable=g-import-not-at-top
-  bad = set(implementations) - set(gate.IMPLEMENTATIONS)
+  from pallas_rs import api  # pylint: disable=g-import-not-at-top
+  bad = set(implementations) - set(api.IMPLEMENTATIONS)
   if bad:
     raise app.UsageError(f"--implementations: {sorted(bad)} not in "
-                         f"{gate.IMPLEMENTATIONS}")
+                         f"{api.IMPLEMENTATIONS}")
   if mode == "smoke" and jax.default_backend() != "cpu":
     raise app.UsageError("smoke mode runs on CPU (JAX_PLATFORMS=cpu)")
   records = sweep(mode, implementations)

@@ -68,7 +68,7 @@ def check_supported(*, m: int, k_shard: int, n: int, dtype, num_devices: int,
 @dataclasses.dataclass(frozen=True)
 class CheckedConfig:
   """A config that `check_supported` (and, inside shard_map, `check_mesh`) accepted for one
-  problem. `pallas_rs.gate` decides "auto" once and hands this down; the entry points below
+  problem. `pallas_rs.gate.decide` hands this down, once per call; the entry points below
   then use the config without checking again (a plain Config or None is checked as usual)."""
   config: Config
   problem: tuple  # (m, k_shard, n, dtype name, num_devices)

@@ -14,10 +14,10 @@ from typing import Any, Mapping, NamedTuple
 # `import pallas_rs` stays light.
 
 SCHEMA_VERSION = 1
-CHOICES = ("fused", "xla")  # What an entry or a decision picks; gate.IMPLEMENTATIONS adds "auto".
+CHOICES = ("fused", "xla")  # What an entry or a decision picks; api.IMPLEMENTATIONS adds "auto".
 OPS = ("matmul_rs", "ag_matmul")
 DEFAULT_OP = "matmul_rs"
-SOURCES = ("table", "heuristic", "default", "override")
+SOURCES = ("table", "heuristic", "default")
 MODES = ("single_gpu", "multi_gpu", "loopback")
 INFORMATIONAL_MODES = ("loopback",)
 
@@ -42,7 +42,7 @@ class Key(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
-  """What `choose` picked, and why.
+  """What the table says for one shape (`tuning.select`), and why.
 
   Attributes:
     implementation: "fused" or "xla".
@@ -50,8 +50,7 @@ class Decision:
       implementation is "fused"; for "xla", the config the fused path would use
       if forced (None where the kernel cannot take the shape).
     source: "table" (exact entry), "heuristic" (nearest measured m),
-      "default" (no usable measurement, or a shape the kernel cannot take) or
-      "override" (an explicit config from the caller, `pallas_rs.gate`).
+      or "default" (no usable measurement).
     reason: one line for logs, naming the key and the evidence.
   """
   implementation: str
