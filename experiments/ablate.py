@@ -44,7 +44,11 @@ def main(argv):
   import jax  # pylint: disable=g-import-not-at-top
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from pallas_rs import fused, reference, shapes, testing, timing  # pylint: disable=g-import-not-at-top
+  from pallas_rs.kernel import fused  # pylint: disable=g-import-not-at-top
+  from pallas_rs import reference  # pylint: disable=g-import-not-at-top
+  from pallas_rs.bench import shapes  # pylint: disable=g-import-not-at-top
+  from pallas_rs.bench import testing  # pylint: disable=g-import-not-at-top
+  from pallas_rs.bench import timing  # pylint: disable=g-import-not-at-top
 
   require_gpu(jax)
   gpus = jax.devices()

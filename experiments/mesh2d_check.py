@@ -8,14 +8,14 @@ P("dp", "tp"), w [K, n] sharded P("tp", None); the output [2 m, n] is each group
 product, group by group (sharded P(("dp", "tp"), None)). Per seed shape (pallas_rs.shapes, tag
 "seed", at D = tp = 2: k_shard = K / 2), on the same inputs:
   1. correctness: the fused result against an fp32 reference of each group's product
-     (pallas_rs.testing.device_reference: max relative error over every element) and against
+     (pallas_rs.bench.testing.device_reference: max relative error over every element) and against
      the unfused path (jnp.dot + psum_scatter over "tp") on the same mesh: fused <= 1.1x
      unfused, and within (D + 1) bf16 roundings;
   2. bit-identity with the 1-D D = 2 fused result of each group's inputs on a mesh of GPUs 0, 1
      (same config): the other mesh axis must change nothing;
   3. "auto" on the 2-D mesh (the public op): bit-identical to the fused result where the tuning
      table (looked up at D = 2) says fused, to the unfused one elsewhere;
-  4. one timing row (pallas_rs.timing, CUPTI): fused on the 2-D mesh (4 GPUs), fused on the 1-D
+  4. one timing row (pallas_rs.bench.timing, CUPTI): fused on the 2-D mesh (4 GPUs), fused on the 1-D
      D = 2 mesh (2 GPUs), unfused on the 2-D mesh.
 JSON (environment block, rows) under --out, a table last; exit code 1 if any check fails.
 --lower_only exports the 2-D and 1-D fused programs for CUDA and stops (no GPU needed: on a
@@ -52,13 +52,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pallas_rs
-from pallas_rs import fused
-from pallas_rs import gate
+from pallas_rs.kernel import fused
+from pallas_rs.tuning import gate
 from pallas_rs import platform
 from pallas_rs import reference
-from pallas_rs import shapes
-from pallas_rs import testing
-from pallas_rs import timing
+from pallas_rs.bench import shapes
+from pallas_rs.bench import testing
+from pallas_rs.bench import timing
 from pallas_rs import tuning
 
 _OUT = flags.DEFINE_string("out", None, "JSON output path.")

@@ -20,7 +20,7 @@ Figures per (model, m, D, pass, implementation):
   exposed_comm_by_layer_us  ("xla", --per_layer) T(xla) - T(no_comm_<layer>):
                      which projection's communication is exposed.
   speedup_vs_xla     T(xla) / T(impl), end to end for the block.
-Which time: on GPU, `host_batch_us` of `pallas_rs.timing.time_function`
+Which time: on GPU, `host_batch_us` of `pallas_rs.bench.timing.time_function`
 (wall clock of back-to-back iterations / iterations): overlapping streams are
 counted once, which is what "exposed" needs; the CUPTI step time (per-kernel
 sums, overstated when NCCL overlaps compute on another stream) is recorded too
@@ -134,7 +134,7 @@ def _dims(mode: str, num_devices: int) -> dict[str, int]:
 def _resolved(dims, m: int, d: int, implementation: str) -> dict[str, str]:
   """What each matmul of the block runs for `implementation` (before tracing)."""
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from pallas_rs import gate  # pylint: disable=g-import-not-at-top
+  from pallas_rs.tuning import gate  # pylint: disable=g-import-not-at-top
   if implementation.startswith(NO_COMM):
     return {}
   hq, hkv = dims["heads"] // d, dims["kv_heads"] // d
@@ -191,7 +191,7 @@ def _inputs(mesh, dims, m: int, d: int, seed: int):
   from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
   from pallas_rs import model  # pylint: disable=g-import-not-at-top
-  from pallas_rs import testing  # pylint: disable=g-import-not-at-top
+  from pallas_rs.bench import testing  # pylint: disable=g-import-not-at-top
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s),
                            model.param_specs(AXIS))
   init = functools.partial(model.init_params, num_devices=d,
@@ -213,7 +213,7 @@ def sweep(mode: str, implementations: Sequence[str]) -> list[dict[str, Any]]:
   import jax  # pylint: disable=g-import-not-at-top
   from jax.sharding import Mesh  # pylint: disable=g-import-not-at-top
   from pallas_rs import reference  # pylint: disable=g-import-not-at-top
-  from pallas_rs import timing as timing_lib  # pylint: disable=g-import-not-at-top
+  from pallas_rs.bench import timing as timing_lib  # pylint: disable=g-import-not-at-top
 
   devices = jax.devices()
   if mode == "single_gpu":

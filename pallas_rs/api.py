@@ -4,7 +4,7 @@
   row_parallel_matmul     the same on global arrays (applies jit + shard_map).
   all_gather_matmul       inside `jax.shard_map`: its mirror, `all_gather(lhs) @ rhs`.
 
-Each validates its arguments once, `pallas_rs.gate.decide` then decides the implementation
+Each validates its arguments once, `pallas_rs.tuning.gate.decide` then decides the implementation
 and checks its config once per trace (docs/design.md section 6), and the chosen path runs.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import numpy as np
 
-from pallas_rs import gate
+from pallas_rs.tuning import gate
 from pallas_rs import platform
 from pallas_rs import tuning
 from pallas_rs import vjp
@@ -48,7 +48,7 @@ def _check_config(config) -> None:
   """`config` must be None or a `pallas_rs.Config` (a dict or a string is a mistake)."""
   if config is None:
     return
-  from pallas_rs.config import Config  # pylint: disable=g-import-not-at-top  (Mosaic GPU imports)
+  from pallas_rs.kernel.config import Config  # pylint: disable=g-import-not-at-top  (Mosaic GPU imports)
   if not isinstance(config, Config):
     raise TypeError(f"config must be a pallas_rs.Config or None, got {type(config).__name__} "
                     f"{config!r}; e.g. config=pallas_rs.Config(tile_m=64)")
@@ -190,7 +190,7 @@ def all_gather_matmul(lhs: jax.Array, rhs: jax.Array, axis_name, *,
     gather_dimension: the dimension of `lhs` to gather.
     out_dtype: dtype of the product; defaults to `lhs.dtype`.
     implementation: "xla" (`pallas_rs.reference.all_gather_matmul`), "fused" (jax's
-      collective_matmul_mgpu, `pallas_rs.ag_matmul`) or "auto" (the kernel only where the
+      collective_matmul_mgpu, `pallas_rs.kernel.ag_matmul`) or "auto" (the kernel only where the
       tuning table measured it to win, `gate.decide`; else XLA, the reason
       logged once).
     config: `hopper_matmul_mgpu.TuningConfig` for the kernel, or None.

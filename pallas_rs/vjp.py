@@ -11,7 +11,7 @@ cotangent of the full, unscattered product):
 `dy` is [m // D, n] for scatter_dimension=0 (gathered along rows) and
 [m, n // D] for scatter_dimension=1 (gathered along columns); the formulas are
 the same once gathered. Residuals are the operands only. The implementations
-arrive decided ("xla" | "fused", `pallas_rs.gate.decide`).
+arrive decided ("xla" | "fused", `pallas_rs.tuning.gate.decide`).
 """
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ from jax.extend import core as jex_core
 from jax.interpreters import mlir
 import jax.numpy as jnp
 
-from pallas_rs import ag_matmul
-from pallas_rs import gate
+from pallas_rs.kernel import ag_matmul
+from pallas_rs.tuning import gate
 from pallas_rs import platform
 from pallas_rs import reference
 
@@ -65,7 +65,7 @@ mlir.register_lowering(_fused_unavailable_p, _unavailable_lowering)
 
 
 def _fused_forward(x, w, axis_name, config):
-  from pallas_rs import fused  # pylint: disable=g-import-not-at-top  (Mosaic GPU import chain)
+  from pallas_rs.kernel import fused  # pylint: disable=g-import-not-at-top  (Mosaic GPU import chain)
   num_devices = lax.axis_size(axis_name)
   kernel = functools.partial(fused.fused_matmul_reduce_scatter, axis_name=axis_name,
                              num_devices=num_devices, config=config)

@@ -11,13 +11,13 @@ import pytest
 
 import helpers
 import pallas_rs
-from pallas_rs import config as config_lib
+from pallas_rs.kernel import config as config_lib
 from pallas_rs import api  # pylint: disable=unused-import
-from pallas_rs import gate
+from pallas_rs.tuning import gate
 from pallas_rs import platform
 from pallas_rs import reference
-from pallas_rs import shapes
-from pallas_rs import testing
+from pallas_rs.bench import shapes
+from pallas_rs.bench import testing
 
 AXIS = helpers.AXIS
 CI = shapes.select("ci")
@@ -164,7 +164,7 @@ def test_fallback_reason_is_visible_by_default_once():
 
 
 def test_decide_on_cpu():
-  from pallas_rs import fused  # pylint: disable=g-import-not-at-top
+  from pallas_rs.kernel import fused  # pylint: disable=g-import-not-at-top
   kw = dict(m=64, k_shard=64, n=128, dtype=jnp.bfloat16, num_devices=8,
             config=None)
   assert gate.decide("matmul_rs", **kw, implementation="xla") == ("xla", None, None)
@@ -186,7 +186,7 @@ def test_decide_on_cpu():
 
 
 def test_auto_on_hopper_falls_back_once_per_reason(monkeypatch):
-  from pallas_rs import fused  # pylint: disable=g-import-not-at-top
+  from pallas_rs.kernel import fused  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(platform, "on_hopper", lambda: True)
   logged = []
   monkeypatch.setattr(platform.logging, "info", lambda *a: logged.append(a))
@@ -226,7 +226,7 @@ def test_auto_on_hopper_falls_back_once_per_reason(monkeypatch):
 
 @pytest.mark.parametrize("case_name,errors,match", [
     # Shape the kernel cannot tile: NotImplementedError from
-    # pallas_rs.fused.check_supported, before anything is lowered.
+    # pallas_rs.kernel.fused.check_supported, before anything is lowered.
     ("ci_min_m_d2", NotImplementedError, None),
     # Shape the kernel takes: lowering for the CPU backend raises
     # NotImplementedError in pallas_rs's terms (not Pallas's "Only interpret mode

@@ -12,9 +12,9 @@ from jax.sharding import PartitionSpec as P
 import pytest
 
 import helpers
-from pallas_rs import config as config_lib
-from pallas_rs import fused
-from pallas_rs import shapes
+from pallas_rs.kernel import config as config_lib
+from pallas_rs.kernel import fused
+from pallas_rs.bench import shapes
 
 SEEDS = shapes.select(tags="seed")
 

@@ -25,13 +25,13 @@ import pytest
 
 import helpers
 import pallas_rs
-from pallas_rs import config as config_lib
-from pallas_rs import fused
-from pallas_rs import gate
+from pallas_rs.kernel import config as config_lib
+from pallas_rs.kernel import fused
+from pallas_rs.tuning import gate
 from pallas_rs import platform
 from pallas_rs import reference
-from pallas_rs import testing
-from pallas_rs import transport
+from pallas_rs.bench import testing
+from pallas_rs.kernel import transport
 from pallas_rs import tuning
 
 EXPLICIT = jax.sharding.AxisType.Explicit

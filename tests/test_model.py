@@ -29,12 +29,12 @@ import numpy as np
 import pytest
 
 import helpers
-from pallas_rs import ag_matmul
+from pallas_rs.kernel import ag_matmul
 from pallas_rs import api
-from pallas_rs import gate
+from pallas_rs.tuning import gate
 from pallas_rs import platform
 from pallas_rs import model
-from pallas_rs import testing
+from pallas_rs.bench import testing
 
 AXIS = helpers.AXIS
 REPO = Path(__file__).resolve().parents[1]

@@ -12,15 +12,15 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import pytest
 
-from pallas_rs import ag_matmul
-from pallas_rs import candidates
-from pallas_rs import config as config_lib
-from pallas_rs import fused
-from pallas_rs import gate
+from pallas_rs.kernel import ag_matmul
+from pallas_rs.tuning import candidates
+from pallas_rs.kernel import config as config_lib
+from pallas_rs.kernel import fused
+from pallas_rs.tuning import gate
 from pallas_rs import platform
-from pallas_rs import shapes
+from pallas_rs.bench import shapes
 from pallas_rs import tuning
-from pallas_rs import tuning_schema
+from pallas_rs.tuning import schema
 
 H200 = "NVIDIA H200"
 # A llama70b o_proj-like family at D = 8: n = 8192, k_shard = 1024.
@@ -493,11 +493,11 @@ def test_ag_auto_is_xla_unless_the_table_says_fused(monkeypatch):
 
 
 def test_autotune_writes_ag_entries_the_gate_reads(monkeypatch):
-  # The entry experiments/autotune.py --op=ag_matmul writes (tuning_schema.make_entry) for the
+  # The entry experiments/autotune.py --op=ag_matmul writes (schema.make_entry) for the
   # row-parallel backward of a case: all_gather(dy) @ w.T, dy [m/D, n], w.T [n, k_shard].
   cfg = ag_matmul.default_config(128, 1024)
   kind = jax.devices()[0].device_kind
-  entry = tuning_schema.make_entry(
+  entry = schema.make_entry(
       op="ag_matmul", gpu_kind=kind, num_devices=8, m=1024, n=1024, k_shard=1024,
       fused_us=[9.0, 9.5, 8.0], xla_us=[10.0, 10.5, 11.0],
       config_json=ag_matmul.config_to_json(cfg), measured_with="test", mode="multi_gpu")
@@ -507,7 +507,7 @@ def test_autotune_writes_ag_entries_the_gate_reads(monkeypatch):
   kw = dict(m_shard=128, k=1024, n=1024, dtype=jnp.bfloat16, out_dtype=jnp.bfloat16,
             num_devices=8, gather_dimension=0, implementation="auto", table=table)
   assert _decide_ag(**kw)[:2] == ("fused", cfg)
-  slower = tuning_schema.make_entry(
+  slower = schema.make_entry(
       op="ag_matmul", gpu_kind=kind, num_devices=8, m=1024, n=1024, k_shard=1024,
       fused_us=[12.0], xla_us=[10.0], config_json=None)
   assert slower["implementation"] == "xla"
@@ -532,7 +532,7 @@ def test_autotune_dry_run_lists_the_ag_problems():
 def test_table_config_gets_the_same_checks_as_a_callers(monkeypatch):
   """A table config that this GPU cannot run (a grid larger than its SMs) is not picked: the
   gate checks table configs with fused.check_supported, as it checks a caller's."""
-  from pallas_rs import fused  # pylint: disable=g-import-not-at-top
+  from pallas_rs.kernel import fused  # pylint: disable=g-import-not-at-top
   m = 4096
   table = _table(_entry(m))
   assert _choose(m, table=table).implementation == "fused"

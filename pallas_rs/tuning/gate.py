@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
 
-from pallas_rs import ag_matmul
+from pallas_rs.kernel import ag_matmul
 from pallas_rs import platform
 from pallas_rs import tuning
 
@@ -99,7 +99,7 @@ def decide(op: str, *, m: int, k_shard: int, n: int, dtype, num_devices: int,
 
 def _decide_matmul_rs(key, problem, implementation, config, dimension, axis_name, *,
                       on_device: bool, table) -> Decision:
-  from pallas_rs import fused  # pylint: disable=g-import-not-at-top  (Mosaic GPU import chain)
+  from pallas_rs.kernel import fused  # pylint: disable=g-import-not-at-top  (Mosaic GPU import chain)
 
   def check(cfg):
     return fused.check_supported(**problem, config=cfg)

@@ -10,7 +10,7 @@ import math
 import statistics
 from typing import Any, Mapping, NamedTuple
 
-# pallas_rs.config (and with it the Mosaic GPU import chain) is imported on first use, so that
+# pallas_rs.kernel.config (and with it the Mosaic GPU import chain) is imported on first use, so that
 # `import pallas_rs` stays light.
 
 SCHEMA_VERSION = 1
@@ -71,7 +71,7 @@ class Decision:
 def _config_codec(op: str):
   """(to_json, from_json) of the config type of `op`."""
   if op == "ag_matmul":
-    from pallas_rs import ag_matmul  # pylint: disable=g-import-not-at-top
+    from pallas_rs.kernel import ag_matmul  # pylint: disable=g-import-not-at-top
     return ag_matmul.config_to_json, ag_matmul.config_from_json
   return config_to_json, config_from_json
 
@@ -91,7 +91,7 @@ def config_to_json(cfg) -> dict[str, Any]:
 def config_from_json(obj: Mapping[str, Any]):
   """Inverse of `config_to_json` (a `pallas_rs.Config`); ValueError on unknown fields or bad
   values."""
-  from pallas_rs import config as config_lib  # pylint: disable=g-import-not-at-top
+  from pallas_rs.kernel import config as config_lib  # pylint: disable=g-import-not-at-top
   config_fields = tuple(f.name for f in dataclasses.fields(config_lib.Config))
   if not isinstance(obj, Mapping):
     raise ValueError(f"config must be an object, got {type(obj).__name__}")
