@@ -20,10 +20,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import numpy as np
 
-from pallas_rs.tuning import gate
 from pallas_rs import platform
 from pallas_rs import tuning
 from pallas_rs import vjp
+from pallas_rs.tuning import gate
 
 # The `implementation=` values of the ops (the one definition; model.py and the experiments
 # import it): "auto", or one of the choices a tuning-table entry makes.

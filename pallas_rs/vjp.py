@@ -23,10 +23,10 @@ from jax.extend import core as jex_core
 from jax.interpreters import mlir
 import jax.numpy as jnp
 
-from pallas_rs.kernel import ag_matmul
-from pallas_rs.tuning import gate
 from pallas_rs import platform
 from pallas_rs import reference
+from pallas_rs.kernel import ag_matmul
+from pallas_rs.tuning import gate
 
 
 def run_all_gather_matmul(lhs, rhs, axis_name, *, gather_dimension: int, out_dtype,

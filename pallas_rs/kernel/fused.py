@@ -14,9 +14,9 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_rs.kernel import config as config_lib
-from pallas_rs.kernel import body as body_lib
 from pallas_rs import platform
+from pallas_rs.kernel import body as body_lib
+from pallas_rs.kernel import config as config_lib
 from pallas_rs.kernel import schedule
 from pallas_rs.kernel import transport as transport_lib
 

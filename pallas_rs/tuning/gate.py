@@ -19,9 +19,9 @@ from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
 
-from pallas_rs.kernel import ag_matmul
 from pallas_rs import platform
 from pallas_rs import tuning
+from pallas_rs.kernel import ag_matmul
 
 OPS = tuning.OPS  # "matmul_rs", "ag_matmul"
 
@@ -129,12 +129,12 @@ def _decide_matmul_rs(key, problem, implementation, config, dimension, axis_name
   if on_device and not platform.on_hopper():
     return Decision("xla", None, platform.not_hopper_reason("fused kernel"))
 
-  def check_call(cfg):
-    if axis_name is not None:
+  if axis_name is not None:
+    try:
       fused.check_mesh(axis_name)
-    return check(cfg)
-
-  return _auto(key, "matmul_rs", check_call, check, checked, config, table, prefix="")
+    except NotImplementedError as e:
+      return Decision("xla", None, str(e))
+  return _auto(key, "matmul_rs", check, checked, config, table, prefix="")
 
 
 def _decide_ag_matmul(key, problem, implementation, config, dimension, out_dtype,
@@ -147,16 +147,16 @@ def _decide_ag_matmul(key, problem, implementation, config, dimension, out_dtype
 
   if implementation == "fused":
     return Decision("fused", check(config), None)
-  return _auto(key, "ag_matmul", check, check, lambda cfg: cfg, config, table,
+  return _auto(key, "ag_matmul", check, lambda cfg: cfg, config, table,
                prefix="all_gather_matmul: ")
 
 
-def _auto(key, op, check_call, check, checked, config, table, *, prefix) -> Decision:
-  """"auto" once the platform allows the kernel: its rules on the call (`check_call`, which
-  may also check the mesh), an explicit config, then the table, whose configs pass `check`
-  as the caller's do. `checked` wraps the config that will run."""
+def _auto(key, op, check, checked, config, table, *, prefix) -> Decision:
+  """"auto" once the platform and the mesh allow the kernel: its rules on the shape (`check`),
+  an explicit config, then the table, whose configs pass `check` as the caller's do.
+  `checked` wraps the config that will run."""
   try:
-    default = check_call(config)
+    default = check(config)
   except NotImplementedError as e:
     return Decision("xla", None, f"{prefix}{e}")
   if config is not None:
