@@ -54,7 +54,13 @@ def main(argv):
   import jax  # pylint: disable=g-import-not-at-top
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from pallas_rs import fused, gate, reference, shapes, testing, timing  # pylint: disable=g-import-not-at-top
+  from pallas_rs.kernel import fused  # pylint: disable=g-import-not-at-top
+  from pallas_rs import reference  # pylint: disable=g-import-not-at-top
+  from pallas_rs.bench import shapes  # pylint: disable=g-import-not-at-top
+  from pallas_rs.bench import testing  # pylint: disable=g-import-not-at-top
+  from pallas_rs.bench import timing  # pylint: disable=g-import-not-at-top
+  from pallas_rs import platform  # pylint: disable=g-import-not-at-top
+  from pallas_rs.tuning import gate  # pylint: disable=g-import-not-at-top
 
   bad = set(_ABLATIONS.value) - set(VARIANTS)
   if bad:
@@ -95,7 +101,10 @@ def main(argv):
                    "xla_gemm": jax.jit(lambda a, b: jnp.einsum(
                        "dmk,dkn->dmn", a, b, preferred_element_type=jnp.float32).astype(a.dtype))}
       check = lambda out: reference.max_rel_error(jax.device_get(out), ref)
-    base = gate._tuned_config(m=m, k_shard=k_shard, n=n, dtype=args[0].dtype, num_devices=d)  # pylint: disable=protected-access
+    # The config "fused" runs for the shape on this GPU kind: the table's, else the default.
+    base = gate.decide("matmul_rs", m=m, k_shard=k_shard, n=n, dtype=args[0].dtype,
+                       num_devices=d, implementation="fused",
+                       gpu_kind=platform.device_kind()).config.config
     fns, row["configs"] = dict(baselines), {}
     for cname in _CONFIGS.value:
       cfg = variant_config(base, cname)

@@ -12,7 +12,7 @@ All visible GPUs, the real fused path under shard_map vs dot + psum_scatter
   NCCL_NVLS_ENABLE=0 PYTHONPATH=. python experiments/autotune.py \\
       --mode=multi_gpu --tags=seed --max_configs=4 --iterations=50
 
-The backward's all-gather matmul (jax's collective_matmul_mgpu, `pallas_rs.ag_matmul`) is gated
+The backward's all-gather matmul (jax's collective_matmul_mgpu, `pallas_rs.kernel.ag_matmul`) is gated
 by its own entries (op "ag_matmul"), measured per shape and D with --op=ag_matmul: per case, the
 row-parallel backward's dx = all_gather(dy) @ w.T (dy [m/D, n], w.T [n, k_shard]), the kernel
 with its default config vs XLA's all-gather + dot:
@@ -20,10 +20,10 @@ with its default config vs XLA's all-gather + dot:
   NCCL_NVLS_ENABLE=0 PYTHONPATH=. python experiments/autotune.py \\
       --mode=multi_gpu --op=ag_matmul --tags=seed --iterations=50
 
-Per shape: every candidate config (`pallas_rs.candidates.candidate_configs`:
+Per shape: every candidate config (`pallas_rs.tuning.candidates.candidate_configs`:
 `default_config` first, then one-field variants; at most --max_configs) and
 the XLA baseline are timed on the same random-normal bf16 inputs with
-`pallas_rs.timing.time_function` (CUPTI on GPU); every output is checked
+`pallas_rs.bench.timing.time_function` (CUPTI on GPU); every output is checked
 against an f32-output reference (fused error <= 1.1x the XLA error, the seed
 rule). Only "exceeds available shared memory" ValueErrors and
 NotImplementedError are caught (recorded per config); anything else stops the
@@ -75,7 +75,7 @@ flags.DEFINE_float("margin", 0.0, "Choose fused only if its median < (1 - "
                    "margin) * the XLA median.")
 flags.DEFINE_float("max_error_ratio", 1.1, "Fused max rel error allowed, as a "
                    "multiple of the XLA path's (plus 1e-6).")
-flags.DEFINE_string("table", "pallas_rs/data/tuning_table.json", "Tuning table "
+flags.DEFINE_string("table", "pallas_rs/tuning/data/tuning_table.json", "Tuning table "
                     "to merge the entries into (created if absent; '' = none).")
 flags.DEFINE_string("out", "", "Raw JSON records; default "
                     "experiments/out/autotune_<mode>_<stamp>.json (git-ignored).")
@@ -121,7 +121,7 @@ def time_candidate(label: str, fn, args, ref, *, num_devices: int,
                    xla_err: float | None, cfg=None) -> dict[str, Any]:
   """Times and checks one function; SMEM/NotImplemented are recorded, not raised."""
   from pallas_rs import reference  # pylint: disable=g-import-not-at-top
-  from pallas_rs import timing  # pylint: disable=g-import-not-at-top
+  from pallas_rs.bench import timing  # pylint: disable=g-import-not-at-top
   from pallas_rs import tuning  # pylint: disable=g-import-not-at-top
   rec: dict[str, Any] = {"label": label,
                          "config": tuning.config_to_json(cfg) if cfg else None}
@@ -157,8 +157,8 @@ def _best(recs):
 
 def _gate_entry(*, gpu_kind, d, m, n, k_shard, best, xla, env, mode,
                 measured_with, op="matmul_rs") -> dict[str, Any]:
-  from pallas_rs import tuning_schema  # pylint: disable=g-import-not-at-top
-  return tuning_schema.make_entry(
+  from pallas_rs.tuning import schema  # pylint: disable=g-import-not-at-top
+  return schema.make_entry(
       op=op, gpu_kind=gpu_kind, num_devices=d, m=m, n=n, k_shard=k_shard,
       fused_us=best["times_us"] if best else [], xla_us=xla["times_us"] if xla else [],
       config_json=best["config"] if best else None, margin=FLAGS.margin, env=env,
@@ -173,9 +173,9 @@ def _gate_entry(*, gpu_kind, d, m, n, k_shard, best, xla, env, mode,
 def tune_single_gpu(case, env) -> tuple[list[dict], list[dict]]:
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from pallas_rs import fused  # pylint: disable=g-import-not-at-top
-  from pallas_rs import candidates  # pylint: disable=g-import-not-at-top
-  from pallas_rs import testing  # pylint: disable=g-import-not-at-top
+  from pallas_rs.kernel import fused  # pylint: disable=g-import-not-at-top
+  from pallas_rs.tuning import candidates  # pylint: disable=g-import-not-at-top
+  from pallas_rs.bench import testing  # pylint: disable=g-import-not-at-top
 
   m, n, k_shard = case.m, case.n, case.k_shard
   gpu_kind = env["device_kind"]
@@ -219,9 +219,9 @@ def tune_single_gpu(case, env) -> tuple[list[dict], list[dict]]:
 def tune_loopback(case, ranked, env):
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from pallas_rs import fused  # pylint: disable=g-import-not-at-top
-  from pallas_rs import candidates  # pylint: disable=g-import-not-at-top
-  from pallas_rs import testing  # pylint: disable=g-import-not-at-top
+  from pallas_rs.kernel import fused  # pylint: disable=g-import-not-at-top
+  from pallas_rs.tuning import candidates  # pylint: disable=g-import-not-at-top
+  from pallas_rs.bench import testing  # pylint: disable=g-import-not-at-top
   from pallas_rs import tuning  # pylint: disable=g-import-not-at-top
 
   d = FLAGS.num_devices or case.num_devices
@@ -279,10 +279,10 @@ def tune_multi_gpu(case, env) -> tuple[list[dict], list[dict]]:
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from pallas_rs import candidates  # pylint: disable=g-import-not-at-top
-  from pallas_rs import fused  # pylint: disable=g-import-not-at-top
+  from pallas_rs.tuning import candidates  # pylint: disable=g-import-not-at-top
+  from pallas_rs.kernel import fused  # pylint: disable=g-import-not-at-top
   from pallas_rs import reference  # pylint: disable=g-import-not-at-top
-  from pallas_rs import testing  # pylint: disable=g-import-not-at-top
+  from pallas_rs.bench import testing  # pylint: disable=g-import-not-at-top
 
   devices = jax.devices()
   d = FLAGS.num_devices or len(devices)
@@ -330,14 +330,18 @@ def tune_multi_gpu(case, env) -> tuple[list[dict], list[dict]]:
 
 def multi_gpu_candidates(*, m: int, n: int, k_shard: int, d: int) -> list:
   """The configs --candidates names for one multi_gpu shape (bf16 inputs)."""
-  from pallas_rs import candidates  # pylint: disable=g-import-not-at-top
+  from pallas_rs.tuning import candidates  # pylint: disable=g-import-not-at-top
   if FLAGS.candidates == "search":
     return candidates.candidate_configs(m=m, n=n, k_shard=k_shard, num_devices=d,
                                         max_configs=FLAGS.max_configs)
-  from pallas_rs import fused  # pylint: disable=g-import-not-at-top
-  from pallas_rs import gate  # pylint: disable=g-import-not-at-top
-  base = gate._tuned_config(m=m, k_shard=k_shard, n=n, dtype="bfloat16", num_devices=d)  # pylint: disable=protected-access
-  if base is None:
+  from pallas_rs.kernel import fused  # pylint: disable=g-import-not-at-top
+  from pallas_rs.tuning import gate  # pylint: disable=g-import-not-at-top
+  from pallas_rs import platform  # pylint: disable=g-import-not-at-top
+  try:  # The config "fused" runs for the shape on this GPU kind: the table's, else the default.
+    base = gate.decide("matmul_rs", m=m, k_shard=k_shard, n=n, dtype="bfloat16",
+                       num_devices=d, implementation="fused",
+                       gpu_kind=platform.device_kind()).config.config
+  except NotImplementedError:
     return []
   return candidates.comm_variants(base, m=m, n=n, k_shard=k_shard, num_devices=d,
                                   pull=fused.remote_tma_loads_supported())
@@ -357,9 +361,9 @@ def tune_ag_multi_gpu(case, env) -> tuple[list[dict], list[dict]]:
   from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from pallas_rs import ag_matmul  # pylint: disable=g-import-not-at-top
+  from pallas_rs.kernel import ag_matmul  # pylint: disable=g-import-not-at-top
   from pallas_rs import reference  # pylint: disable=g-import-not-at-top
-  from pallas_rs import testing  # pylint: disable=g-import-not-at-top
+  from pallas_rs.bench import testing  # pylint: disable=g-import-not-at-top
 
   devices = jax.devices()
   d = FLAGS.num_devices or len(devices)
@@ -408,7 +412,7 @@ def tune_ag_multi_gpu(case, env) -> tuple[list[dict], list[dict]]:
 
 
 def select_cases():
-  from pallas_rs import shapes  # pylint: disable=g-import-not-at-top
+  from pallas_rs.bench import shapes  # pylint: disable=g-import-not-at-top
   cases = shapes.select(tags=FLAGS.tags, names=FLAGS.names)
   if not cases:
     raise app.UsageError(f"no shapes match --tags={FLAGS.tags} --names={FLAGS.names}")
@@ -434,7 +438,7 @@ def format_summary(entries: list[dict]) -> str:
 
 
 def dry_run(cases) -> None:
-  from pallas_rs import candidates  # pylint: disable=g-import-not-at-top
+  from pallas_rs.tuning import candidates  # pylint: disable=g-import-not-at-top
   total = 0
   for case in cases:
     if FLAGS.op == "ag_matmul":

@@ -30,8 +30,8 @@ WINDOWED_EINSUM_OPTION = "xla_gpu_threshold_for_windowed_einsum_mib"
 
 def all_implementations() -> tuple[str, ...]:
   """Every record's possible implementation: the baselines, the op's own
-  (`pallas_rs.gate.IMPLEMENTATIONS`), the XLA peer, single_gpu's LOCAL and LOOPBACK."""
-  from pallas_rs.gate import IMPLEMENTATIONS  # pylint: disable=g-import-not-at-top  (jax)
+  (`pallas_rs.api.IMPLEMENTATIONS`), the XLA peer, single_gpu's LOCAL and LOOPBACK."""
+  from pallas_rs.api import IMPLEMENTATIONS  # pylint: disable=g-import-not-at-top  (jax)
   return BASELINES + IMPLEMENTATIONS + (PEER,) + LOCAL + LOOPBACK
 
 

@@ -16,7 +16,7 @@ def variant_config(base, name: str):
   slots), tMxN (warpgroup tile M x N: tile_m, tile_n), sK (K pipeline steps), f32 / bf16
   (partial dtype), ring (numerics mode "unfused_order"); then fitted to SMEM at D = 2
   (`config.fit_smem`). "table" is accepted as a no-op (the base is the table's config)."""
-  from pallas_rs import config as config_lib  # pylint: disable=g-import-not-at-top
+  from pallas_rs.kernel import config as config_lib  # pylint: disable=g-import-not-at-top
   cfg = base
   for token in name.split("_"):
     tile = re.fullmatch(r"t(\d+)x(\d+)", token)

@@ -6,7 +6,7 @@ devices and `Settings` (iterations, timer, check rule) it runs with, and returns
 the results schema of `bench_records.validate_record`.
 
 Per shape, a list of `Candidate`s (functions to time and check) is run one by one
-(`run_candidate`: compile, time with `pallas_rs.timing`, check the output for fresh inputs
+(`run_candidate`: compile, time with `pallas_rs.bench.timing`, check the output for fresh inputs
 against a numpy reference), then the shape's records are finished together: the error rule
 (ratio to the unfused candidate's error) and the overlap metrics need the baselines' records.
 A shape's numpy reference is computed once, at its first check (memoized: no record depends on
@@ -33,11 +33,11 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 
 import pallas_rs
-from pallas_rs import fused
-from pallas_rs import metrics
+from pallas_rs.kernel import fused
+from pallas_rs.tuning import metrics
 from pallas_rs import reference
-from pallas_rs import testing
-from pallas_rs import timing
+from pallas_rs.bench import testing
+from pallas_rs.bench import timing
 
 from bench_env import NO_CLAIMS
 from bench_records import AXIS
@@ -58,7 +58,7 @@ class Settings:
   """How every candidate is run.
 
   Attributes:
-    timer: "cupti" or "host_wall_clock" (`pallas_rs.timing`).
+    timer: "cupti" or "host_wall_clock" (`pallas_rs.bench.timing`).
     iterations: timed calls per candidate.
     warmup: untimed calls after compilation.
     check: check every timed output, on inputs drawn with seed + 1.

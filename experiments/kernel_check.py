@@ -22,10 +22,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_rs import fused
+from pallas_rs.kernel import fused
 from pallas_rs import reference
-from pallas_rs import shapes as shapes_lib
-from pallas_rs import testing
+from pallas_rs.bench import shapes as shapes_lib
+from pallas_rs.bench import testing
 
 import bench_env  # pylint: disable=g-bad-import-order  (experiments/, sys.path[0] as a script)
 
@@ -84,8 +84,8 @@ def run_correct():
 
 
 def _time(f, *args):
-  """Per-iteration device times (us) of `f(*args)`: pallas_rs.timing, 2 warm-up calls."""
-  from pallas_rs import timing  # pylint: disable=g-import-not-at-top
+  """Per-iteration device times (us) of `f(*args)`: pallas_rs.bench.timing, 2 warm-up calls."""
+  from pallas_rs.bench import timing  # pylint: disable=g-import-not-at-top
   return list(timing.time_function(f, args, iterations=_ITERS.value, warmup=2).times_us)
 
 

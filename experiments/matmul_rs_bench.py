@@ -6,9 +6,9 @@ Modes (`--mode`):
               [m, n] array alone), T_seq (dot then psum_scatter, one jit), then
               each of `--implementations` (fused, xla, auto) and, with
               `--xla_peer`, XLA's windowed-einsum collective matmul.
-  single_gpu  one GPU: (a) D = 1, `pallas_rs.fused.local_matmul` vs XLA's dot
+  single_gpu  one GPU: (a) D = 1, `pallas_rs.kernel.fused.local_matmul` vs XLA's dot
               on each shape's per-device GEMM [m, k/D] x [k/D, n]; (b) loopback:
-              `pallas_rs.fused.loopback_matmul_reduce_scatter` (D virtual ranks
+              `pallas_rs.kernel.fused.loopback_matmul_reduce_scatter` (D virtual ranks
               on one GPU) vs an XLA loopback reference, at D = 8 and
               `--num_devices`.
   smoke       CPU, 8 forced host devices, small "ci" shapes, XLA paths only
@@ -92,7 +92,7 @@ flags.DEFINE_integer("num_devices", None, "D. multi_gpu/smoke: devices used "
                      "single_gpu: extra loopback D besides 8; custom shapes: "
                      "their D (default 8).")
 flags.DEFINE_list("implementations", None,
-                  "Among pallas_rs.gate.IMPLEMENTATIONS; default 'xla' in smoke "
+                  "Among pallas_rs.api.IMPLEMENTATIONS; default 'xla' in smoke "
                   "mode, 'fused' otherwise. Baselines are always timed.")
 flags.DEFINE_integer("iterations", 200, "Timed iterations per function.")
 flags.DEFINE_integer("warmup", 2, "Untimed calls after compilation.")
@@ -112,10 +112,10 @@ flags.DEFINE_bool("keep_going", False, "Record unexpected exceptions as "
 flags.DEFINE_integer("seed", 0, "PRNG seed (timing inputs; check inputs use "
                      "seed + 1).")
 flags.DEFINE_float("peak_flops", None, "Peak FLOP/s for the roofline "
-                   "estimates; default pallas_rs.metrics."
+                   "estimates; default pallas_rs.tuning.metrics."
                    "MEASURED_PEAK_FLOPS_BF16 (measured bf16 dense).")
 flags.DEFINE_float("bus_bandwidth", None, "Reduce-scatter bus bandwidth (B/s) "
-                   "for the estimates; default pallas_rs.metrics."
+                   "for the estimates; default pallas_rs.tuning.metrics."
                    "MEASURED_RS_BUS_BANDWIDTH (measured NCCL busbw).")
 _FLAG_NAMES = ("mode", "tags", "names", "m", "n", "k", "dtype", "num_devices",
                "implementations", "iterations", "warmup", "timer", "out",
@@ -125,7 +125,7 @@ _FLAG_NAMES = ("mode", "tags", "names", "m", "n", "k", "dtype", "num_devices",
 
 def select_cases(mode: str) -> list[Any]:
   """The shapes to run, from --m/--n/--k or --names/--tags (mode default)."""
-  from pallas_rs import shapes  # pylint: disable=g-import-not-at-top
+  from pallas_rs.bench import shapes  # pylint: disable=g-import-not-at-top
   custom = [FLAGS.m, FLAGS.n, FLAGS.k]
   if any(v is not None for v in custom):
     if not all(v is not None for v in custom):
@@ -144,7 +144,7 @@ def select_cases(mode: str) -> list[Any]:
 def settings_from_flags(timer: str):
   """harness.Settings of this run."""
   import harness  # pylint: disable=g-import-not-at-top
-  from pallas_rs import metrics  # pylint: disable=g-import-not-at-top
+  from pallas_rs.tuning import metrics  # pylint: disable=g-import-not-at-top
   return harness.Settings(
       timer=timer, iterations=FLAGS.iterations, warmup=FLAGS.warmup, check=FLAGS.check,
       max_error_ratio=FLAGS.max_error_ratio, keep_going=FLAGS.keep_going, seed=FLAGS.seed,
@@ -158,15 +158,15 @@ def main(argv: Sequence[str]) -> int:
   mode = configure_environment(FLAGS.mode)
   import jax  # pylint: disable=g-import-not-at-top
   import harness  # pylint: disable=g-import-not-at-top
-  from pallas_rs import gate  # pylint: disable=g-import-not-at-top
-  from pallas_rs import timing  # pylint: disable=g-import-not-at-top
+  from pallas_rs import api  # pylint: disable=g-import-not-at-top
+  from pallas_rs.bench import timing  # pylint: disable=g-import-not-at-top
 
   implementations = FLAGS.implementations
   if implementations is None:
     implementations = ["xla"] if mode == "smoke" else ["fused"]
-  bad = [i for i in implementations if i not in gate.IMPLEMENTATIONS]
+  bad = [i for i in implementations if i not in api.IMPLEMENTATIONS]
   if bad:
-    raise app.UsageError(f"--implementations: {bad} not in {gate.IMPLEMENTATIONS}")
+    raise app.UsageError(f"--implementations: {bad} not in {api.IMPLEMENTATIONS}")
   if FLAGS.iterations < 1 or FLAGS.warmup < 0:
     raise app.UsageError(f"--iterations={FLAGS.iterations} must be >= 1 and "
                          f"--warmup={FLAGS.warmup} >= 0")

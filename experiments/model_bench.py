@@ -20,7 +20,7 @@ Figures per (model, m, D, pass, implementation):
   exposed_comm_by_layer_us  ("xla", --per_layer) T(xla) - T(no_comm_<layer>):
                      which projection's communication is exposed.
   speedup_vs_xla     T(xla) / T(impl), end to end for the block.
-Which time: on GPU, `host_batch_us` of `pallas_rs.timing.time_function`
+Which time: on GPU, `host_batch_us` of `pallas_rs.bench.timing.time_function`
 (wall clock of back-to-back iterations / iterations): overlapping streams are
 counted once, which is what "exposed" needs; the CUPTI step time (per-kernel
 sums, overstated when NCCL overlaps compute on another stream) is recorded too
@@ -106,7 +106,7 @@ flags.DEFINE_integer("num_devices", None, "D. multi_gpu: default all visible "
                      "GPUs; smoke: default 8; single_gpu: the D whose "
                      "per-device share is run (default 8).")
 flags.DEFINE_list("implementations", "xla,fused,auto",
-                  "Among pallas_rs.gate.IMPLEMENTATIONS; xla and no_comm always run.")
+                  "Among pallas_rs.api.IMPLEMENTATIONS; xla and no_comm always run.")
 flags.DEFINE_list("passes", ",".join(PASSES), f"Among {PASSES}.")
 flags.DEFINE_integer("iterations", 50, "Timed iterations (smoke: "
                      f"{SMOKE_ITERATIONS} unless given).")
@@ -135,7 +135,7 @@ def _dims(mode: str, num_devices: int) -> dict[str, int]:
 def _resolved(dims, m: int, d: int, implementation: str) -> dict[str, str]:
   """What each matmul of the block runs for `implementation` (before tracing)."""
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from pallas_rs import gate  # pylint: disable=g-import-not-at-top
+  from pallas_rs.tuning import gate  # pylint: disable=g-import-not-at-top
   if implementation.startswith(NO_COMM):
     return {}
   hq, hkv = dims["heads"] // d, dims["kv_heads"] // d
@@ -144,22 +144,25 @@ def _resolved(dims, m: int, d: int, implementation: str) -> dict[str, str]:
   out = {}
   for name, n in (("qkv", (hq + 2 * hkv) * hd), ("gate_up", 2 * f_shard)):
     try:
-      impl, _, reason = gate.choose_ag_implementation(
-          m_shard=m // d, k=hidden, n=n, dtype=jnp.bfloat16,
-          out_dtype=jnp.bfloat16, num_devices=d, gather_dimension=0,
-          implementation=ag_impl)
-      out[name] = impl if reason is None else f"{impl} ({reason})"
+      decision = gate.decide("ag_matmul", m=m, k_shard=hidden, n=n, dtype=jnp.bfloat16,
+                             num_devices=d, implementation=ag_impl)
+      out[name] = _described(decision)
     except NotImplementedError as e:
       out[name] = f"unavailable ({e})"
   for name, k_shard in (("o_proj", hq * hd), ("down_proj", f_shard)):
     try:
-      impl, _, reason = gate.choose_implementation(
-          m=m, k_shard=k_shard, n=hidden, dtype=jnp.bfloat16, num_devices=d,
-          scatter_dimension=0, implementation=implementation, config=None)
-      out[name] = impl if reason is None else f"{impl} ({reason})"
+      decision = gate.decide("matmul_rs", m=m, k_shard=k_shard, n=hidden, dtype=jnp.bfloat16,
+                             num_devices=d, implementation=implementation)
+      out[name] = _described(decision)
     except NotImplementedError as e:
       out[name] = f"unavailable ({e})"
   return out
+
+
+def _described(decision) -> str:
+  """"fused", or "xla (why)" where "auto" fell back."""
+  fallback = decision.fallback
+  return decision.implementation if fallback is None else f"{decision.implementation} ({fallback})"
 
 
 def _without(variant: str) -> tuple[str, ...]:
@@ -189,7 +192,7 @@ def _inputs(mesh, dims, m: int, d: int, seed: int):
   from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
   from pallas_rs import model  # pylint: disable=g-import-not-at-top
-  from pallas_rs import testing  # pylint: disable=g-import-not-at-top
+  from pallas_rs.bench import testing  # pylint: disable=g-import-not-at-top
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s),
                            model.param_specs(AXIS))
   init = functools.partial(model.init_params, num_devices=d,
@@ -212,7 +215,7 @@ def sweep(mode: str, implementations: Sequence[str],
   import jax  # pylint: disable=g-import-not-at-top
   from jax.sharding import Mesh  # pylint: disable=g-import-not-at-top
   from pallas_rs import reference  # pylint: disable=g-import-not-at-top
-  from pallas_rs import timing as timing_lib  # pylint: disable=g-import-not-at-top
+  from pallas_rs.bench import timing as timing_lib  # pylint: disable=g-import-not-at-top
 
   devices = jax.devices()
   if mode == "single_gpu":
@@ -328,11 +331,11 @@ def main(argv: Sequence[str]) -> int:
   mode = bench_env.configure_environment(FLAGS.mode)
   implementations = list(FLAGS.implementations)
   import jax  # pylint: disable=g-import-not-at-top
-  from pallas_rs import gate  # pylint: disable=g-import-not-at-top
-  bad = set(implementations) - set(gate.IMPLEMENTATIONS)
+  from pallas_rs import api  # pylint: disable=g-import-not-at-top
+  bad = set(implementations) - set(api.IMPLEMENTATIONS)
   if bad:
     raise app.UsageError(f"--implementations: {sorted(bad)} not in "
-                         f"{gate.IMPLEMENTATIONS}")
+                         f"{api.IMPLEMENTATIONS}")
   if mode == "smoke" and jax.default_backend() != "cpu":
     raise app.UsageError("smoke mode runs on CPU (JAX_PLATFORMS=cpu)")
   doc = {"schema_version": 1, "benchmark": "model_bench",

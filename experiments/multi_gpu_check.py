@@ -33,10 +33,10 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 import numpy as np
 
-from pallas_rs import fused
+from pallas_rs.kernel import fused
 from pallas_rs import reference
-from pallas_rs import shapes
-from pallas_rs import testing
+from pallas_rs.bench import shapes
+from pallas_rs.bench import testing
 
 import bench_env  # pylint: disable=g-import-not-at-top,wrong-import-position  (experiments/)
 

@@ -2,17 +2,17 @@
 distribution, per numerics mode.
 
 The seed's rule: max_rel_error(fused) <= 1.1 * max_rel_error(unfused) against an fp32 reference
-(pallas_rs/numerics.py explains both paths' arithmetic). This script measures the distribution of
+(pallas_rs/bench/numerics.py explains both paths' arithmetic). This script measures the distribution of
 the ratio over many inputs per case (run mode, D, input family, numerics mode), and the share of
 output elements bit-identical to the unfused path's:
 
   --modes           the numerics modes (config.NUMERICS_MODES, built with config.with_numerics):
                     fp32_partials, bf16_partials, unfused_order (default: all three).
-  --mode=emulate    CPU only: the numpy bit-exact emulations of both reduces (pallas_rs.numerics)
+  --mode=emulate    CPU only: the numpy bit-exact emulations of both reduces (pallas_rs.bench.numerics)
                     from fp32 partials computed with numpy; reference = float64 sum of the partials;
                     unfused = the emulation in NCCL's ring order (identity ring), with the source
                     order as a second baseline ("vs_source_order").
-  --mode=loopback   one GPU: pallas_rs.fused.loopback_matmul_reduce_scatter (D virtual ranks) vs
+  --mode=loopback   one GPU: pallas_rs.kernel.fused.loopback_matmul_reduce_scatter (D virtual ranks) vs
                     pallas_rs.reference.loopback_matmul_reduce_scatter (the bf16-faithful XLA
                     emulation of the unfused path) in NCCL's ring order (the source order as a
                     second baseline, "vs_source_order"); fp32 HIGHEST reference.
@@ -72,7 +72,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_env  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-from pallas_rs import numerics  # pylint: disable=g-import-not-at-top,wrong-import-position
+from pallas_rs.bench import numerics  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 RUN_MODES = ("emulate", "loopback", "multi_gpu")
 DEVICE_RUN_MODES = ("multi_gpu", "loopback")  # The order the sweep runs them in.
@@ -130,8 +130,8 @@ def make_config(d: int, mode: str):
   """default_config for the loopback / multi_gpu problem in numerics mode `mode`
   (`config.with_numerics` sets partial_dtype and owner_sum, narrows the epilogue and shortens
   the pipeline to fit SMEM)."""
-  from pallas_rs import config as config_lib  # pylint: disable=g-import-not-at-top
-  from pallas_rs import fused  # pylint: disable=g-import-not-at-top
+  from pallas_rs.kernel import config as config_lib  # pylint: disable=g-import-not-at-top
+  from pallas_rs.kernel import fused  # pylint: disable=g-import-not-at-top
   p = problem(d)
   sms = fused.gpu_num_sms() or config_lib.DEFAULT_NUM_SMS
   base = config_lib.default_config(m=p["m"], n=p["n"], k_shard=p["k_shard"], num_devices=d,
@@ -143,11 +143,11 @@ def make_config(d: int, mode: str):
 
 
 def kernel_reads_numerics() -> dict:
-  """Whether kernel.py / fused.py / transport.py mention each Config numerics field at all
+  """Whether kernel/body.py / fused.py / transport.py mention each Config numerics field at all
   (False: the field is ignored and that mode's rows measure another mode's arithmetic)."""
-  from pallas_rs import fused  # pylint: disable=g-import-not-at-top
-  from pallas_rs import kernel  # pylint: disable=g-import-not-at-top
-  src = "".join(inspect.getsource(mod) for mod in (kernel, fused))
+  from pallas_rs.kernel import fused  # pylint: disable=g-import-not-at-top
+  from pallas_rs.kernel import body  # pylint: disable=g-import-not-at-top
+  src = "".join(inspect.getsource(mod) for mod in (body, fused))
   return {field: field in src for field in ("partial_dtype", "owner_sum")}
 
 
@@ -299,7 +299,7 @@ def loopback_fn(d, cfgs):
   import jax  # pylint: disable=g-import-not-at-top
   from jax import lax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from pallas_rs import fused  # pylint: disable=g-import-not-at-top
+  from pallas_rs.kernel import fused  # pylint: disable=g-import-not-at-top
   from pallas_rs import reference  # pylint: disable=g-import-not-at-top
   p = problem(d)
 
@@ -333,7 +333,7 @@ def multi_gpu_fn(d, cfgs):
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
-  from pallas_rs import fused  # pylint: disable=g-import-not-at-top
+  from pallas_rs.kernel import fused  # pylint: disable=g-import-not-at-top
   p = problem(d)
   mesh = _mesh(d)
 
@@ -594,7 +594,7 @@ def baseline_multi_gpu(d, families, modes, out_path: Path) -> dict:
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
-  from pallas_rs import fused  # pylint: disable=g-import-not-at-top
+  from pallas_rs.kernel import fused  # pylint: disable=g-import-not-at-top
   p = problem(d)
   mesh = _mesh(d)
   specs = dict(mesh=mesh, in_specs=(P(None, AXIS), P(AXIS, None)), check_vma=False)
@@ -661,7 +661,7 @@ def _exact(summary: dict, part: str) -> list[str]:
 def baseline_loopback(ds, families, modes, out_path: Path, budget) -> list[dict]:
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from pallas_rs import fused  # pylint: disable=g-import-not-at-top
+  from pallas_rs.kernel import fused  # pylint: disable=g-import-not-at-top
   from pallas_rs import reference  # pylint: disable=g-import-not-at-top
   results = []
   for d in ds:

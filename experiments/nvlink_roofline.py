@@ -63,8 +63,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 import numpy as np
 
-from pallas_rs import metrics
-from pallas_rs import timing
+from pallas_rs.tuning import metrics
+from pallas_rs.bench import timing
 
 _OUT = flags.DEFINE_string("out", "", "JSON path (the PNG goes next to it); default "
                            "experiments/out/nvlink_roofline.json (git-ignored).")
@@ -94,7 +94,7 @@ _HOL_LOAD_KB = flags.DEFINE_integer("hol_load_kb", 32, "KiB of the timed local T
 _ITERATIONS = flags.DEFINE_integer("iterations", 20, "Timed iterations per case (medians).")
 _WARMUP = flags.DEFINE_integer("warmup", 2, "Untimed calls after compiling.")
 _TIMER = flags.DEFINE_enum("timer", "auto", ["auto", "cupti", "host_wall_clock"],
-                           "pallas_rs.timing timer.")
+                           "pallas_rs.bench.timing timer.")
 _CHECK = flags.DEFINE_boolean("check", True, "First check the data each mechanism moves "
                               "(small sizes, SMEM filled from the input).")
 _LOWER_ONLY = flags.DEFINE_boolean("lower_only", False, "Only lower every variant for CUDA "
@@ -627,7 +627,7 @@ def lower_all(variants: Sequence[Variant], mesh, axis: str = AXIS) -> list[dict[
 
 def measure(compiled, args, *, kernel_name: str, iterations: int, warmup: int,
             num_devices: int, timer: str) -> dict[str, Any]:
-  """Times one compiled variant with pallas_rs.timing.
+  """Times one compiled variant with pallas_rs.bench.timing.
 
   CUPTI: the kernel's own records only (step time = max over devices, timing.py's rule);
   XLA's pre-launch multi-GPU barrier kernel is left out of `times_us` but kept in
@@ -1019,7 +1019,7 @@ def main(argv):
           lowering_semantics=dict(push="warpgroup", local="warpgroup", hol="warpgroup",
                                   pull=pull_semantics),
           gbps="bytes one GPU moves (ctas x bytes_per_cta) / median kernel time; kernel time = "
-               "max over devices of the kernel's CUPTI duration (pallas_rs.timing), XLA's "
+               "max over devices of the kernel's CUPTI duration (pallas_rs.bench.timing), XLA's "
                "pre-launch barrier kernel excluded",
           XLA_PYTHON_CLIENT_ALLOCATOR=os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR"),
           performance_claims=False,  # set once the timer is known

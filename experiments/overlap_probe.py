@@ -60,8 +60,13 @@ def main(argv):
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from pallas_rs import config as config_lib  # pylint: disable=g-import-not-at-top
-  from pallas_rs import fused, reference, shapes, testing, timing, tuning  # pylint: disable=g-import-not-at-top
+  from pallas_rs.kernel import config as config_lib  # pylint: disable=g-import-not-at-top
+  from pallas_rs.kernel import fused  # pylint: disable=g-import-not-at-top
+  from pallas_rs import reference  # pylint: disable=g-import-not-at-top
+  from pallas_rs.bench import shapes  # pylint: disable=g-import-not-at-top
+  from pallas_rs.bench import testing  # pylint: disable=g-import-not-at-top
+  from pallas_rs.bench import timing  # pylint: disable=g-import-not-at-top
+  from pallas_rs import tuning  # pylint: disable=g-import-not-at-top
 
   require_gpu(jax)
   gpus = jax.devices()
@@ -85,7 +90,7 @@ def main(argv):
         ablate=ablate), **specs))
 
   def global_operands(seed, m, k_shard, n):
-    """x [m, D k_shard], w [D k_shard, n] generated in place on the mesh (pallas_rs.testing)."""
+    """x [m, D k_shard], w [D k_shard, n] generated in place on the mesh (pallas_rs.bench.testing)."""
     return testing.generate(seed, m, d_nv * k_shard, n, num_devices=d_nv,
                             shardings=testing.row_parallel_shardings(mesh, "tp"))
 

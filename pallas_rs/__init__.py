@@ -9,13 +9,15 @@ Public API (flat re-exports):
   Config                           the fused kernel's tuning config.
   shapes                           the named shape table for tests and experiments.
 
-Submodules such as `pallas_rs.tuning` (the tuning table: `use_table`, `load_table`) and
-`pallas_rs.model` are reachable as attributes after `import pallas_rs`; they are imported on
-first use, so that `import pallas_rs` stays free of the Mosaic GPU import chain.
+The package in layers (docs/design.md section 1): this folder is what a user calls (api, vjp,
+model, platform, reference); `pallas_rs.tuning` decides (the gate, the tuning table: `use_table`,
+`load_table`); `pallas_rs.kernel` is the fused kernels; `pallas_rs.bench` holds the helpers of
+tests and experiments. Subpackages and modules such as `pallas_rs.tuning` and `pallas_rs.model`
+are reachable as attributes after `import pallas_rs`; they are imported on first use, so that
+`import pallas_rs` stays free of the Mosaic GPU import chain and of the bench helpers.
 """
 import importlib
 
-from pallas_rs import shapes
 from pallas_rs.api import all_gather_matmul
 from pallas_rs.api import matmul_reduce_scatter
 from pallas_rs.api import row_parallel_matmul
@@ -30,16 +32,16 @@ __all__ = [
     "shapes",
 ]
 
-_SUBMODULES = frozenset({
-    "ag_matmul", "api", "candidates", "config", "fused", "gate", "kernel", "metrics", "model",
-    "platform", "reference", "schedule", "testing", "timing", "transport", "tuning",
-    "tuning_schema", "vjp"})
+_SUBMODULES = frozenset({"api", "bench", "kernel", "model", "platform", "reference", "tuning",
+                         "vjp"})
 
 
 def __getattr__(name):
   if name == "Config":
-    from pallas_rs.config import Config  # pylint: disable=g-import-not-at-top
+    from pallas_rs.kernel.config import Config  # pylint: disable=g-import-not-at-top
     return Config
+  if name == "shapes":
+    return importlib.import_module("pallas_rs.bench.shapes")
   if name in _SUBMODULES:
     return importlib.import_module(f"pallas_rs.{name}")
   raise AttributeError(f"module 'pallas_rs' has no attribute {name!r}")

@@ -4,7 +4,8 @@
   row_parallel_matmul     the same on global arrays (applies jit + shard_map).
   all_gather_matmul       inside `jax.shard_map`: its mirror, `all_gather(lhs) @ rhs`.
 
-"auto" is decided by `pallas_rs.gate` (docs/design.md section 6), once per trace.
+Each validates its arguments once, `pallas_rs.tuning.gate.decide` then decides the implementation
+and checks its config once per trace (docs/design.md section 6), and the chosen path runs.
 """
 from __future__ import annotations
 
@@ -19,9 +20,19 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import numpy as np
 
-from pallas_rs import gate
 from pallas_rs import platform
+from pallas_rs import tuning
 from pallas_rs import vjp
+from pallas_rs.tuning import gate
+
+# The `implementation=` values of the ops (the one definition; model.py and the experiments
+# import it): "auto", or one of the choices a tuning-table entry makes.
+IMPLEMENTATIONS = ("auto", *tuning.CHOICES)
+
+
+def check_implementation(implementation) -> None:
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"{implementation=} must be one of {IMPLEMENTATIONS}")
 
 
 def _normalize_scatter_dimension(scatter_dimension) -> int:
@@ -37,7 +48,7 @@ def _check_config(config) -> None:
   """`config` must be None or a `pallas_rs.Config` (a dict or a string is a mistake)."""
   if config is None:
     return
-  from pallas_rs.config import Config  # pylint: disable=g-import-not-at-top  (Mosaic GPU imports)
+  from pallas_rs.kernel.config import Config  # pylint: disable=g-import-not-at-top  (Mosaic GPU imports)
   if not isinstance(config, Config):
     raise TypeError(f"config must be a pallas_rs.Config or None, got {type(config).__name__} "
                     f"{config!r}; e.g. config=pallas_rs.Config(tile_m=64)")
@@ -87,7 +98,7 @@ def _axis_size(axis_name, fn_name: str) -> int:
 
 def _validate(x, w, axis_name, scatter_dimension, implementation, config):
   """Checks the per-device arguments; returns (num_devices, scatter_dimension)."""
-  gate.check_implementation(implementation)
+  check_implementation(implementation)
   _check_config(config)
   scatter_dimension = _normalize_scatter_dimension(scatter_dimension)
   _check_operands(x, w)
@@ -150,14 +161,15 @@ def matmul_reduce_scatter(x: jax.Array, w: jax.Array, *, axis_name,
   """
   num_devices, scatter_dimension = _validate(x, w, axis_name, scatter_dimension,
                                              implementation, config)
-  impl, config, reason = gate.resolve(
-      m=x.shape[0], k_shard=x.shape[1], n=w.shape[1], dtype=x.dtype,
-      num_devices=num_devices, scatter_dimension=scatter_dimension,
-      implementation=implementation, config=config, axis_name=axis_name)
-  if reason is not None:
-    platform.log_fallback_once(reason)
+  decision = gate.decide(
+      "matmul_rs", m=x.shape[0], k_shard=x.shape[1], n=w.shape[1], dtype=x.dtype,
+      num_devices=num_devices, implementation=implementation, config=config,
+      dimension=scatter_dimension, axis_name=axis_name)
+  if decision.fallback is not None:
+    platform.log_fallback_once(decision.fallback)
   x, w = vjp.match_vma(jnp.asarray(x), jnp.asarray(w))
-  return vjp.matmul_reduce_scatter(x, w, axis_name, scatter_dimension, impl, config)
+  return vjp.matmul_reduce_scatter(x, w, axis_name, scatter_dimension,
+                                   decision.implementation, decision.config)
 
 
 def all_gather_matmul(lhs: jax.Array, rhs: jax.Array, axis_name, *,
@@ -178,8 +190,8 @@ def all_gather_matmul(lhs: jax.Array, rhs: jax.Array, axis_name, *,
     gather_dimension: the dimension of `lhs` to gather.
     out_dtype: dtype of the product; defaults to `lhs.dtype`.
     implementation: "xla" (`pallas_rs.reference.all_gather_matmul`), "fused" (jax's
-      collective_matmul_mgpu, `pallas_rs.ag_matmul`) or "auto" (the kernel only where the
-      tuning table measured it to win, `gate.choose_ag_implementation`; else XLA, the reason
+      collective_matmul_mgpu, `pallas_rs.kernel.ag_matmul`) or "auto" (the kernel only where the
+      tuning table measured it to win, `gate.decide`; else XLA, the reason
       logged once).
     config: `hopper_matmul_mgpu.TuningConfig` for the kernel, or None.
 
@@ -190,6 +202,7 @@ def all_gather_matmul(lhs: jax.Array, rhs: jax.Array, axis_name, *,
     ValueError: bad ranks or shapes, unknown implementation or axis.
     NotImplementedError: implementation="fused" where the kernel does not apply.
   """
+  check_implementation(implementation)
   _check_operands(lhs, rhs, ("lhs", "rhs"), ("m_shard", "k", "n"))
   out_dtype = jnp.dtype(out_dtype or lhs.dtype)
   _check_floating(lhs.dtype, "lhs")
@@ -198,13 +211,12 @@ def all_gather_matmul(lhs: jax.Array, rhs: jax.Array, axis_name, *,
   if k != rhs.shape[0]:
     raise ValueError(f"contraction sizes differ: {lhs.shape=} "
                      f"{gather_dimension=} {rhs.shape=} ({num_devices=})")
-  resolved = gate.choose_ag_implementation(
-      m_shard=lhs.shape[0], k=k, n=rhs.shape[1], dtype=lhs.dtype,
-      out_dtype=out_dtype, num_devices=num_devices,
-      gather_dimension=gather_dimension, implementation=implementation,
-      config=config)
+  decision = gate.decide(
+      "ag_matmul", m=lhs.shape[0] * num_devices, k_shard=k, n=rhs.shape[1], dtype=lhs.dtype,
+      out_dtype=out_dtype, num_devices=num_devices, implementation=implementation,
+      config=config, dimension=gather_dimension)
   return vjp.run_all_gather_matmul(lhs, rhs, axis_name, gather_dimension=gather_dimension,
-                                   out_dtype=out_dtype, resolved=resolved)
+                                   out_dtype=out_dtype, decision=decision)
 
 
 def _constrain(a, mesh, spec):
@@ -279,7 +291,7 @@ def row_parallel_matmul(x: jax.Array, w: jax.Array, *, mesh: jax.sharding.Mesh,
   if unknown:
     raise TypeError(f"unexpected keyword arguments {unknown}; row_parallel_matmul takes "
                     "implementation= and config=")
-  gate.check_implementation(kwargs.get("implementation", "auto"))
+  check_implementation(kwargs.get("implementation", "auto"))
   _check_config(kwargs.get("config"))
   fn = _row_parallel_fn(mesh, axis_name, scatter_dimension,
                         tuple(sorted(kwargs.items())))

@@ -49,7 +49,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from pallas_rs import api
-from pallas_rs.gate import check_implementation
 
 # The block's four collective matmuls, in program order.
 LAYERS = ("qkv", "o_proj", "gate_up", "down_proj")
@@ -231,7 +230,7 @@ def block_forward(params: BlockParams, h: jax.Array, *, axis_name,
   Returns:
     [M/D, H], the block's output chunk.
   """
-  check_implementation(implementation)
+  api.check_implementation(implementation)
   if ag_implementation is None:
     ag_implementation = "xla" if implementation == "xla" else "auto"
   kv_heads = heads if kv_heads is None else kv_heads

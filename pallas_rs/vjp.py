@@ -11,7 +11,7 @@ cotangent of the full, unscattered product):
 `dy` is [m // D, n] for scatter_dimension=0 (gathered along rows) and
 [m, n // D] for scatter_dimension=1 (gathered along columns); the formulas are
 the same once gathered. Residuals are the operands only. The implementations
-arrive resolved ("xla" | "fused", `pallas_rs.gate`).
+arrive decided ("xla" | "fused", `pallas_rs.tuning.gate.decide`).
 """
 from __future__ import annotations
 
@@ -23,21 +23,21 @@ from jax.extend import core as jex_core
 from jax.interpreters import mlir
 import jax.numpy as jnp
 
-from pallas_rs import ag_matmul
-from pallas_rs import gate
 from pallas_rs import platform
 from pallas_rs import reference
+from pallas_rs.kernel import ag_matmul
+from pallas_rs.tuning import gate
 
 
 def run_all_gather_matmul(lhs, rhs, axis_name, *, gather_dimension: int, out_dtype,
-                          resolved: gate.Resolved) -> tuple[jax.Array, jax.Array]:
-  """(all_gather(lhs) @ rhs, gathered lhs) by the resolved implementation; logs a fallback."""
-  if resolved.reason is not None:
-    platform.log_fallback_once(resolved.reason)
-  if resolved.implementation == "xla":
+                          decision: gate.Decision) -> tuple[jax.Array, jax.Array]:
+  """(all_gather(lhs) @ rhs, gathered lhs) by the decided implementation; logs a fallback."""
+  if decision.fallback is not None:
+    platform.log_fallback_once(decision.fallback)
+  if decision.implementation == "xla":
     return reference.all_gather_matmul(lhs, rhs, axis_name, gather_dimension=gather_dimension,
                                        out_dtype=out_dtype)
-  return ag_matmul.fused_all_gather_matmul(lhs, rhs, axis_name, config=resolved.config,
+  return ag_matmul.fused_all_gather_matmul(lhs, rhs, axis_name, config=decision.config,
                                            out_dtype=out_dtype)
 
 
@@ -65,7 +65,7 @@ mlir.register_lowering(_fused_unavailable_p, _unavailable_lowering)
 
 
 def _fused_forward(x, w, axis_name, config):
-  from pallas_rs import fused  # pylint: disable=g-import-not-at-top  (Mosaic GPU import chain)
+  from pallas_rs.kernel import fused  # pylint: disable=g-import-not-at-top  (Mosaic GPU import chain)
   num_devices = lax.axis_size(axis_name)
   kernel = functools.partial(fused.fused_matmul_reduce_scatter, axis_name=axis_name,
                              num_devices=num_devices, config=config)
@@ -82,9 +82,9 @@ def _forward(x, w, axis_name, scatter_dimension, implementation, config):
     return reference.matmul_reduce_scatter(
         x, w, axis_name=axis_name, scatter_dimension=scatter_dimension)
   if implementation == "fused":
-    assert scatter_dimension == 0, scatter_dimension  # gate.py rejects others.
+    assert scatter_dimension == 0, scatter_dimension  # gate.decide rejects others.
     return _fused_forward(x, w, axis_name, config)
-  raise AssertionError(f"unresolved {implementation=}")  # gate.py resolves it.
+  raise AssertionError(f"undecided {implementation=}")  # gate.decide decides it.
 
 
 def _varying_axes(a) -> frozenset:
@@ -128,16 +128,17 @@ def _fwd(x, w, axis_name, scatter_dimension, implementation, config):
 def _bwd(axis_name, scatter_dimension, implementation, config, res, dy):
   del config  # The forward's kernel config does not apply to the all-gather matmul.
   x, w = res
-  resolved = gate.Resolved("xla", None, None)
+  decision = gate.Decision("xla", None, None)
   if implementation == "fused":
     # The forward ran the fused kernel (asked for, or chosen by "auto" from a measurement):
     # the backward's all-gather matmul is gated the same way, by its own measurements.
-    resolved = gate.choose_ag_implementation(
-        m_shard=dy.shape[0], k=dy.shape[1], n=w.shape[0], dtype=dy.dtype,
-        out_dtype=x.dtype, num_devices=lax.axis_size(axis_name),
-        gather_dimension=scatter_dimension, implementation="auto")
+    num_devices = lax.axis_size(axis_name)
+    decision = gate.decide(
+        "ag_matmul", m=dy.shape[0] * num_devices, k_shard=dy.shape[1], n=w.shape[0],
+        dtype=dy.dtype, out_dtype=x.dtype, num_devices=num_devices,
+        dimension=scatter_dimension, implementation="auto")
   dx, dy_full = run_all_gather_matmul(dy, w.T, axis_name, gather_dimension=scatter_dimension,
-                                      out_dtype=x.dtype, resolved=resolved)
+                                      out_dtype=x.dtype, decision=decision)
   dw = jnp.dot(x.T, dy_full, preferred_element_type=jnp.float32)
   return dx, dw.astype(w.dtype)
 

@@ -2,7 +2,7 @@
 
 Conventions (also used by the kernel tests):
   * A `pallas_rs.shapes.Case` describes the global problem; its operands come from
-    `pallas_rs.testing` (`make_inputs(case, seed)`: stacked per-device xs [D, m, k_shard],
+    `pallas_rs.bench.testing` (`make_inputs(case, seed)`: stacked per-device xs [D, m, k_shard],
     ws [D, k_shard, n] and the matching global x [m, k], w [k, n], x[:, d*k_shard:(d+1)*k_shard]
     being xs[d]; `put_operands` places them on a mesh).
   * Device d's x is scaled by 1 + d / D, so a missing, duplicated or swapped rank changes the
@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from pallas_rs import reference
-from pallas_rs import testing
+from pallas_rs.bench import testing
 
 AXIS = "x"
 
@@ -155,7 +155,8 @@ _STAND_IN_DRIVER = """
 import importlib.util, sys
 sys.path.insert(0, {repo!r}); sys.path.insert(0, {exp!r})
 from absl import app
-from pallas_rs import fused, reference
+from pallas_rs.kernel import fused
+from pallas_rs import reference
 {stand_ins}
 spec = importlib.util.spec_from_file_location("script", {script!r})
 mod = importlib.util.module_from_spec(spec)

@@ -11,13 +11,13 @@ import pytest
 
 import helpers
 import pallas_rs
-from pallas_rs import config as config_lib
+from pallas_rs.kernel import config as config_lib
 from pallas_rs import api  # pylint: disable=unused-import
-from pallas_rs import gate
+from pallas_rs.tuning import gate
 from pallas_rs import platform
 from pallas_rs import reference
-from pallas_rs import shapes
-from pallas_rs import testing
+from pallas_rs.bench import shapes
+from pallas_rs.bench import testing
 
 AXIS = helpers.AXIS
 CI = shapes.select("ci")
@@ -163,24 +163,30 @@ def test_fallback_reason_is_visible_by_default_once():
   assert lines[0].endswith(quoted), (lines[0], quoted)
 
 
-def test_choose_implementation_on_cpu():
+def test_decide_on_cpu():
+  from pallas_rs.kernel import fused  # pylint: disable=g-import-not-at-top
   kw = dict(m=64, k_shard=64, n=128, dtype=jnp.bfloat16, num_devices=8,
             config=None)
-  assert gate.choose_implementation(**kw, scatter_dimension=0,
-                                    implementation="xla") == ("xla", None, None)
-  assert gate.choose_implementation(**kw, scatter_dimension=0,
-                                    implementation="fused") == ("fused", None,
-                                                                None)
-  impl, _, reason = gate.choose_implementation(**kw, scatter_dimension=1,
-                                               implementation="auto")
-  assert impl == "xla" and "scatter_dimension=1" in reason
+  assert gate.decide("matmul_rs", **kw, implementation="xla") == ("xla", None, None)
+  # "fused" (lowered for CUDA from here): the kernel's default config, checked once; a shape
+  # the kernel cannot tile raises, saying why.
+  with pytest.raises(NotImplementedError, match="below the smallest tile"):
+    gate.decide("matmul_rs", **kw, implementation="fused")
+  problem = dict(kw, m=1024)
+  del problem["config"]
+  impl, checked, reason = gate.decide("matmul_rs", **problem, implementation="fused")
+  assert (impl, reason) == ("fused", None)
+  assert checked == fused.CheckedConfig.of(fused.check_supported(**problem), **problem)
+  dec = gate.decide("matmul_rs", **kw, dimension=1, implementation="auto")
+  assert dec.implementation == "xla" and "scatter_dimension=1" in dec.fallback
   with pytest.raises(NotImplementedError, match="scatter_dimension=1"):
-    gate.choose_implementation(**kw, scatter_dimension=1,
-                               implementation="fused")
+    gate.decide("matmul_rs", **kw, dimension=1, implementation="fused")
+  with pytest.raises(ValueError, match="op='nccl' must be one of"):
+    gate.decide("nccl", **kw)
 
 
 def test_auto_on_hopper_falls_back_once_per_reason(monkeypatch):
-  from pallas_rs import fused  # pylint: disable=g-import-not-at-top
+  from pallas_rs.kernel import fused  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(platform, "on_hopper", lambda: True)
   logged = []
   monkeypatch.setattr(platform.logging, "info", lambda *a: logged.append(a))
@@ -194,33 +200,33 @@ def test_auto_on_hopper_falls_back_once_per_reason(monkeypatch):
 
   monkeypatch.setattr(fused, "check_supported", not_supported)
   kw = dict(m=64, k_shard=64, n=128, dtype=jnp.bfloat16, num_devices=8,
-            config=None, scatter_dimension=0, implementation="auto")
+            config=None, implementation="auto")
   for _ in range(3):
-    impl, _, reason = gate.choose_implementation(**kw)
-    assert impl == "xla"
-    platform.log_fallback_once(reason)
+    dec = gate.decide("matmul_rs", **kw)
+    assert dec.implementation == "xla"
+    platform.log_fallback_once(dec.fallback)
   assert [a[1] for a in logged] == ["reason A", "reason B"]
 
   # A supported shape: with an explicit config "auto" honours it; without one, the tuning
   # table decides, and an unmeasured shape stays on XLA (never claim a win not measured).
   monkeypatch.setattr(fused, "check_supported", lambda **kw: kw.get("config"))
   chosen = config_lib.Config(tile_m=64, tile_n=64)  # fits m // 8 = 128 rows, n = 128
-  assert gate.choose_implementation(**dict(kw, m=1024, config=chosen))[:2] == (
-      "fused", chosen)
-  impl, _, reason = gate.choose_implementation(**kw)
-  assert impl == "xla" and "tuning" in reason
+  dec = gate.decide("matmul_rs", **dict(kw, m=1024, config=chosen))
+  assert (dec.implementation, dec.config.config, dec.fallback) == ("fused", chosen, None)
+  dec = gate.decide("matmul_rs", **kw)
+  assert dec.implementation == "xla" and "tuning" in dec.fallback
 
   def bad(**kw):
     raise ValueError("tile_m=64 must divide m=100")
 
   monkeypatch.setattr(fused, "check_supported", bad)
   with pytest.raises(ValueError, match="tile_m=64"):
-    gate.choose_implementation(**kw)
+    gate.decide("matmul_rs", **kw)
 
 
 @pytest.mark.parametrize("case_name,errors,match", [
     # Shape the kernel cannot tile: NotImplementedError from
-    # pallas_rs.fused.check_supported, before anything is lowered.
+    # pallas_rs.kernel.fused.check_supported, before anything is lowered.
     ("ci_min_m_d2", NotImplementedError, None),
     # Shape the kernel takes: lowering for the CPU backend raises
     # NotImplementedError in pallas_rs's terms (not Pallas's "Only interpret mode
@@ -422,5 +428,5 @@ def test_fused_on_a_gpu_that_is_not_hopper(monkeypatch):
   monkeypatch.setattr(jax, "devices", lambda *a: [FakeGpu()])
   with pytest.raises(NotImplementedError, match=r"needs one process driving Hopper GPUs.*"
                      r"'NVIDIA A100'.*use implementation='auto' or 'xla'"):
-    gate.choose_implementation(m=1024, k_shard=64, n=256, dtype=jnp.bfloat16, num_devices=8,
-                               scatter_dimension=0, implementation="fused", config=None)
+    gate.decide("matmul_rs", m=1024, k_shard=64, n=256, dtype=jnp.bfloat16, num_devices=8,
+                implementation="fused")

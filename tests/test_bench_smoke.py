@@ -15,7 +15,7 @@ import pytest
 
 import helpers
 from pallas_rs import reference
-from pallas_rs import shapes
+from pallas_rs.bench import shapes
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "experiments" / "matmul_rs_bench.py"

@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_rs import fused
+from pallas_rs.kernel import fused
 from pallas_rs import reference
-from pallas_rs import shapes
-from pallas_rs import testing
+from pallas_rs.bench import shapes
+from pallas_rs.bench import testing
 
 pytestmark = pytest.mark.gpu
 

@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_rs import config as config_lib
-from pallas_rs import fused
-from pallas_rs import testing
+from pallas_rs.kernel import config as config_lib
+from pallas_rs.kernel import fused
+from pallas_rs.bench import testing
 
 interpret = pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.params")
 

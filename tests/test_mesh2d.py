@@ -25,13 +25,13 @@ import pytest
 
 import helpers
 import pallas_rs
-from pallas_rs import config as config_lib
-from pallas_rs import fused
-from pallas_rs import gate
+from pallas_rs.kernel import config as config_lib
+from pallas_rs.kernel import fused
+from pallas_rs.tuning import gate
 from pallas_rs import platform
 from pallas_rs import reference
-from pallas_rs import testing
-from pallas_rs import transport
+from pallas_rs.bench import testing
+from pallas_rs.kernel import transport
 from pallas_rs import tuning
 
 EXPLICIT = jax.sharding.AxisType.Explicit
@@ -383,14 +383,14 @@ def resolved(monkeypatch):
   monkeypatch.setattr(platform, "on_hopper", lambda: True)
   monkeypatch.delenv(tuning.ENV_VAR, raising=False)
   out = {"resolved": [], "logged": []}
-  resolve = gate.resolve
+  decide = gate.decide
 
-  def recording(**kw):
-    res = resolve(**kw)
+  def recording(op, **kw):
+    res = decide(op, **kw)
     out["resolved"].append((kw["num_devices"], res))
     return res
 
-  monkeypatch.setattr(gate, "resolve", recording)
+  monkeypatch.setattr(gate, "decide", recording)
   monkeypatch.setattr(platform, "log_fallback_once", out["logged"].append)
   return out
 
@@ -434,8 +434,9 @@ def test_auto_uses_the_table_by_the_size_of_the_reduced_axis(resolved):
     _trace(_mesh((4, 2), ("tp", "dp")), "tp", m, k_shard, n)
     _trace(_mesh((4, 2), ("dp", "tp")), "tp", m, k_shard, n)
   (d1, first), (d2, second), (d3, third) = resolved["resolved"]
-  assert (d1, first.implementation, first.reason) == (4, "fused", None)
-  assert (d2, second.implementation, second.reason) == (4, "fused", None)
+  assert (d1, first.implementation, first.fallback) == (4, "fused", None)
+  assert (d2, second.implementation, second.fallback) == (4, "fused", None)
+  assert first.reason.startswith("tuning (table): measured ('cpu', 4, 1024,")
   assert (d3, third.implementation) == (2, "xla")
   assert third.reason.startswith("tuning (default): no measurement for ('cpu', 2, 1024,")
 
@@ -512,9 +513,9 @@ def test_multi_process_is_refused_with_the_multicast_reason(monkeypatch):
   with pytest.raises(NotImplementedError, match=r"one process.*multicast.*process_count=2"):
     fused.check_mesh("tp")
   # "auto": the platform check comes first and gives the same reason.
-  impl, _, reason = gate.choose_implementation(
-      m=1024, k_shard=256, n=512, dtype=jnp.bfloat16, num_devices=4, scatter_dimension=0,
-      implementation="auto", config=None, axis_name="tp")
+  impl, _, reason = gate.decide(
+      "matmul_rs", m=1024, k_shard=256, n=512, dtype=jnp.bfloat16, num_devices=4,
+      implementation="auto", axis_name="tp")
   assert impl == "xla" and multicast in reason and "process_count=2" in reason
 
 

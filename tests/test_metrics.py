@@ -1,4 +1,4 @@
-"""pallas_rs.metrics arithmetic and pallas_rs.timing statistics and rules (CPU)."""
+"""pallas_rs.tuning.metrics arithmetic and pallas_rs.bench.timing statistics and rules (CPU)."""
 import math
 
 import jax
@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_rs import metrics
-from pallas_rs import timing
+from pallas_rs.tuning import metrics
+from pallas_rs.bench import timing
 
 
 # --- overlap figures ---------------------------------------------------------

@@ -29,12 +29,12 @@ import numpy as np
 import pytest
 
 import helpers
-from pallas_rs import ag_matmul
+from pallas_rs.kernel import ag_matmul
 from pallas_rs import api
-from pallas_rs import gate
+from pallas_rs.tuning import gate
 from pallas_rs import platform
 from pallas_rs import model
-from pallas_rs import testing
+from pallas_rs.bench import testing
 
 AXIS = helpers.AXIS
 REPO = Path(__file__).resolve().parents[1]
@@ -157,16 +157,18 @@ def test_param_validation():
 
 _GATE_KW = dict(m_shard=128, k=1024, n=1280, dtype=jnp.bfloat16,
                 out_dtype=jnp.bfloat16, num_devices=8, gather_dimension=0)
+# The same call in `gate.decide`'s terms (the tuning table's key: m gathered rows).
+_DECIDE_KW = dict(m=128 * 8, k_shard=1024, n=1280, dtype=jnp.bfloat16,
+                  out_dtype=jnp.bfloat16, num_devices=8, dimension=0)
 
 
 @pytest.mark.skipif(platform.on_hopper(), reason="checks the CPU fallback")
 def test_ag_matmul_falls_back_on_cpu_with_reason_logged_once(caplog):
-  impl, config, reason = gate.choose_ag_implementation(
-      **_GATE_KW, implementation="auto")
+  impl, config, reason = gate.decide("ag_matmul", **_DECIDE_KW, implementation="auto")
   assert (impl, config) == ("xla", None)
   assert "Hopper" in reason and "platform='cpu'" in reason, reason
   with pytest.raises(NotImplementedError, match="Hopper"):
-    gate.choose_ag_implementation(**_GATE_KW, implementation="fused")
+    gate.decide("ag_matmul", **_DECIDE_KW, implementation="fused")
 
   platform.reset_fallback_log()
   caplog.set_level(logging.INFO, logger="absl")

@@ -13,7 +13,7 @@ import pytest
 
 import helpers
 from pallas_rs import model
-from pallas_rs import testing
+from pallas_rs.bench import testing
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "experiments"))

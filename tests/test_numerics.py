@@ -1,4 +1,4 @@
-"""pallas_rs.numerics (CPU): the emulations of both reduces, the promise of float32 partials, the
+"""pallas_rs.bench.numerics (CPU): the emulations of both reduces, the promise of float32 partials, the
 input families, and experiments/numerics.py's plumbing.
 
 Bounds tested for partial_dtype="float32" (S = exact sum of the fp32 partials, S' = the owner's
@@ -38,10 +38,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from pallas_rs import config
-from pallas_rs import numerics as nm
+from pallas_rs.kernel import config
+from pallas_rs.bench import numerics as nm
 from pallas_rs import reference
-from pallas_rs import schedule
+from pallas_rs.kernel import schedule
 
 REPO = Path(__file__).resolve().parents[1]
 BF16 = ml_dtypes.bfloat16
@@ -875,7 +875,8 @@ sys.path.insert(0, {repo!r})
 import jax, jax.numpy as jnp
 from jax import lax
 from absl import app
-from pallas_rs import fused, schedule
+from pallas_rs.kernel import fused
+from pallas_rs.kernel import schedule
 import importlib.util
 rnd = lambda v: lax.reduce_precision(v, exponent_bits=8, mantissa_bits=7)
 

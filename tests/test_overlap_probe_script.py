@@ -5,7 +5,7 @@ import json
 import pytest
 
 import helpers
-from pallas_rs import config as config_lib
+from pallas_rs.kernel import config as config_lib
 
 STAND_INS = """
 def stand_in(x, w, *, axis_name, num_devices, config=None, ablate=()):

@@ -4,7 +4,7 @@ import pytest
 
 import pallas_rs
 from pallas_rs import reference
-from pallas_rs import shapes
+from pallas_rs.bench import shapes
 
 
 def test_public_api():
@@ -106,19 +106,41 @@ def test_max_rel_error_on_device_is_the_same_figure():
     reference.max_rel_error_on_device(np.ones(2), np.ones(3))
 
 
-def test_imports_only_go_down_and_modules_stay_small():
-  """No import circle among pallas_rs modules (lazy imports included); none over 450 lines."""
+def _import_graph():
+  """{module: modules of pallas_rs it imports (lazy imports included)}, by dotted name relative
+  to the package ("api", "kernel.fused", "tuning" for tuning/__init__.py), and their sizes."""
   import re  # pylint: disable=g-import-not-at-top
   from pathlib import Path  # pylint: disable=g-import-not-at-top
   root = Path(pallas_rs.__file__).parent
-  graph = {}
-  for path in root.glob("*.py"):
+
+  def name_of(path):
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+  modules = {name_of(p): p for p in root.rglob("*.py")}
+  graph, sizes = {}, {}
+  for name, path in modules.items():
     text = path.read_text()
-    assert len(text.splitlines()) <= 450, path.name
-    deps = set(re.findall(r"from pallas_rs import (\w+)", text))
-    deps |= set(re.findall(r"from pallas_rs\.(\w+) import", text))
-    graph[path.stem] = deps - {path.stem}
-  graph.pop("__init__")
+    sizes[name] = len(text.splitlines())
+    deps = set()
+    for pkg, names in re.findall(r"from pallas_rs((?:\.\w+)*) import \(?([\w, ]+)", text):
+      pkg = pkg.lstrip(".")
+      for item in filter(None, (n.split(" as ")[0].strip() for n in names.split(","))):
+        full = f"{pkg}.{item}" if pkg else item
+        deps.add(full if full in modules else pkg)
+    graph[name] = deps - {name, ""}
+  return graph, sizes
+
+
+def test_imports_only_go_down_and_modules_stay_small():
+  """No import circle among pallas_rs modules (lazy imports included); none over 450 lines;
+  the layers import only downwards: kernel/ <- tuning/ <- the user layer (this folder) <- bench/.
+  `platform` (which GPU, the fallback log) serves them all."""
+  graph, sizes = _import_graph()
+  assert {"api", "kernel.fused", "tuning.gate", "bench.testing"} <= set(graph)
+  for name, size in sizes.items():
+    assert size <= 450, (name, size)
+  graph.pop("")  # pallas_rs/__init__.py: re-exports, submodules on first use
   done, active = set(), []
 
   def visit(name):
@@ -133,3 +155,42 @@ def test_imports_only_go_down_and_modules_stay_small():
 
   for name in sorted(graph):
     visit(name)
+
+  def layer(name):
+    return name.split(".")[0] if name.split(".")[0] in ("kernel", "tuning", "bench") else "user"
+
+  allowed = {"kernel": {"kernel"}, "tuning": {"kernel", "tuning"},
+             "user": {"kernel", "tuning", "user"}, "bench": {"kernel", "tuning", "user", "bench"}}
+  for name, deps in graph.items():
+    for dep in deps:
+      assert dep == "platform" or layer(dep) in allowed[layer(name)], (
+          f"{name} ({layer(name)} layer) imports {dep} ({layer(dep)} layer)")
+
+
+def test_importing_the_ops_loads_no_test_or_benchmark_helper():
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  code = ("import sys, pallas_rs\n"
+          "from pallas_rs import model\n"
+          "from pallas_rs.tuning import gate, candidates\n"
+          "from pallas_rs.kernel import fused\n"
+          "print(sorted(m for m in sys.modules if m.startswith('pallas_rs.bench')))\n"
+          "print(pallas_rs.shapes.__name__)\n")
+  res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       check=False, timeout=300)
+  assert res.returncode == 0, res.stderr[-2000:]
+  assert res.stdout.split("\n")[:2] == ["[]", "pallas_rs.bench.shapes"], res.stdout
+
+
+def test_the_packaged_table_ships_with_the_package():
+  """pyproject's packages and package-data name every subpackage and the table."""
+  import tomllib  # pylint: disable=g-import-not-at-top
+  from pathlib import Path  # pylint: disable=g-import-not-at-top
+  root = Path(pallas_rs.__file__).parent
+  pyproject = tomllib.loads((root.parent / "pyproject.toml").read_text())["tool"]["setuptools"]
+  packages = {".".join(p.relative_to(root.parent).parts) for p in (root, *root.rglob("*"))
+              if (p / "__init__.py").is_file()}
+  assert set(pyproject["packages"]) == packages
+  (pattern,) = pyproject["package-data"]["pallas_rs.tuning"]
+  assert [p.name for p in (root / "tuning").glob(pattern)] == ["tuning_table.json"]
+  assert pallas_rs.tuning.PACKAGED_TABLE_PATH == root / "tuning" / "data" / "tuning_table.json"

@@ -3,9 +3,9 @@ import collections
 
 import pytest
 
-from pallas_rs import config as config_lib
-from pallas_rs import schedule
-from pallas_rs import shapes
+from pallas_rs.kernel import config as config_lib
+from pallas_rs.kernel import schedule
+from pallas_rs.bench import shapes
 
 SEEDS = shapes.select(tags="seed")
 

@@ -1,4 +1,4 @@
-"""pallas_rs.testing and the loopback baseline in pallas_rs.reference (CPU)."""
+"""pallas_rs.bench.testing and the loopback baseline in pallas_rs.reference (CPU)."""
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -7,8 +7,8 @@ import pytest
 
 import helpers
 from pallas_rs import reference
-from pallas_rs import shapes
-from pallas_rs import testing
+from pallas_rs.bench import shapes
+from pallas_rs.bench import testing
 
 
 def test_stacked_inputs_are_random_and_distinct_per_rank():

@@ -3,6 +3,8 @@ import copy
 import dataclasses
 import functools
 import json
+import re
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -10,15 +12,15 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import pytest
 
-from pallas_rs import ag_matmul
-from pallas_rs import candidates
-from pallas_rs import config as config_lib
-from pallas_rs import fused
-from pallas_rs import gate
+from pallas_rs.kernel import ag_matmul
+from pallas_rs.tuning import candidates
+from pallas_rs.kernel import config as config_lib
+from pallas_rs.kernel import fused
+from pallas_rs.tuning import gate
 from pallas_rs import platform
-from pallas_rs import shapes
+from pallas_rs.bench import shapes
 from pallas_rs import tuning
-from pallas_rs import tuning_schema
+from pallas_rs.tuning import schema
 
 H200 = "NVIDIA H200"
 # A llama70b o_proj-like family at D = 8: n = 8192, k_shard = 1024.
@@ -47,9 +49,29 @@ def _table(*entries):
   return {"schema_version": 1, "entries": list(entries)}
 
 
+class _Choice(NamedTuple):
+  implementation: str
+  config: Any  # the Config "fused" runs (for "xla": would run if forced; None: cannot)
+  source: str  # "table", "heuristic", "default" (tuning.select's) or "override"
+  reason: str
+
+
 def _choose(m, *, d=8, n=N, k_shard=K_SHARD, dtype="bfloat16", gpu_kind=H200, **kw):
-  return gate.choose(m=m, n=n, k_shard=k_shard, dtype=dtype, num_devices=d,
-                       gpu_kind=gpu_kind, **kw)
+  """`gate.decide`'s "auto" for a matmul_rs shape on `gpu_kind` (the shape-level decision),
+  with the source read off its reason and the config unwrapped."""
+  args = dict(m=m, n=n, k_shard=k_shard, dtype=dtype, num_devices=d, gpu_kind=gpu_kind, **kw)
+  dec = gate.decide("matmul_rs", **args)
+  tuned = re.match(r"tuning \((\w+)\): ", dec.reason)
+  source = (tuned.group(1) if tuned else
+            "override" if dec.reason.startswith("explicit config") else "default")
+  if dec.implementation == "fused":
+    config = dec.config.config
+  else:
+    try:
+      config = gate.decide("matmul_rs", **dict(args, implementation="fused")).config.config
+    except NotImplementedError:
+      config = None
+  return _Choice(dec.implementation, config, source, dec.reason)
 
 
 @pytest.fixture(autouse=True)
@@ -147,8 +169,8 @@ def test_explicit_config_overrides():
   assert (dec.implementation, dec.config, dec.source) == ("fused", cfg, "override")
   big = config_lib.Config(tile_m=128)
   dec = _choose(512, table=tuning.empty_table(), config=big)
-  assert (dec.implementation, dec.source) == ("xla", "override")
-  assert "does not fit" in dec.reason
+  assert (dec.implementation, dec.config) == ("xla", None)
+  assert "tile_m=128" in dec.reason  # the kernel's own reason
 
 
 # ---------------------------------------------------------------------------
@@ -348,9 +370,12 @@ def test_use_table_is_scoped_and_nests(tmp_path, monkeypatch):
 
 
 def _auto(m, config=None, d=8):
-  return gate.choose_implementation(
-      m=m, k_shard=K_SHARD, n=N, dtype=jnp.bfloat16, num_devices=d,
-      scatter_dimension=0, implementation="auto", config=config)
+  """(implementation, the Config that runs, fallback reason) of "auto" on this machine."""
+  dec = gate.decide("matmul_rs", m=m, k_shard=K_SHARD, n=N, dtype=jnp.bfloat16,
+                    num_devices=d, implementation="auto", config=config)
+  if dec.implementation == "fused":
+    assert dec.config.problem == (m, K_SHARD, N, "bfloat16", d)  # a fused.CheckedConfig
+  return dec.implementation, dec.config and dec.config.config, dec.fallback
 
 
 def test_api_auto_consults_table(monkeypatch):
@@ -382,9 +407,12 @@ def test_fused_without_config_runs_the_tuned_config(monkeypatch):
   kind = jax.devices()[0].device_kind
   fused_cfg = config_lib.Config(tile_m=64, tile_n=128, max_concurrent_steps=3)
   xla_cfg = config_lib.Config(tile_m=128, tile_n=64, max_concurrent_steps=4)
-  forced = lambda m, config=None: gate.choose_implementation(
-      m=m, k_shard=K_SHARD, n=N, dtype=jnp.bfloat16, num_devices=8, scatter_dimension=0,
-      implementation="fused", config=config)
+
+  def forced(m, config=None):
+    dec = gate.decide("matmul_rs", m=m, k_shard=K_SHARD, n=N, dtype=jnp.bfloat16,
+                      num_devices=8, implementation="fused", config=config)
+    return dec._replace(config=dec.config.config)  # the Config in the fused.CheckedConfig
+
   with tuning.use_table(_table(_entry(4096, cfg=fused_cfg, gpu_kind=kind),
                                _entry(32768, "xla", cfg=xla_cfg, gpu_kind=kind))):
     assert forced(4096) == ("fused", fused_cfg, None)
@@ -410,6 +438,12 @@ def test_api_auto_off_hopper_ignores_table(monkeypatch):
 
 _AG = dict(m_shard=128, k=1024, n=1280, dtype=jnp.bfloat16, out_dtype=jnp.bfloat16,
            num_devices=8, gather_dimension=0)
+
+
+def _decide_ag(*, m_shard, k, n, num_devices, gather_dimension, **kw):
+  """`gate.decide` for the all-gather matmul, in the kernel's terms (lhs [m_shard, k])."""
+  return gate.decide("ag_matmul", m=m_shard * num_devices, k_shard=k, n=n,
+                     num_devices=num_devices, dimension=gather_dimension, **kw)
 
 
 def _ag_entry(implementation, *, gpu_kind, cfg=None):
@@ -440,7 +474,7 @@ def test_ag_config_round_trip():
 def test_ag_auto_is_xla_unless_the_table_says_fused(monkeypatch):
   monkeypatch.setattr(platform, "on_hopper", lambda: True)
   kind = jax.devices()[0].device_kind
-  choose = functools.partial(gate.choose_ag_implementation, **_AG, implementation="auto")
+  choose = functools.partial(_decide_ag, **_AG, implementation="auto")
   impl, config, reason = choose(table=tuning.empty_table())
   assert (impl, config) == ("xla", None) and "tuning (default)" in reason
   assert reason.startswith("all_gather_matmul: ")
@@ -455,16 +489,15 @@ def test_ag_auto_is_xla_unless_the_table_says_fused(monkeypatch):
   # Another GPU kind's measurement does not apply here.
   assert choose(table=_table(_ag_entry("fused", gpu_kind="NVIDIA B200")))[0] == "xla"
   # An explicit "fused" needs no measurement.
-  assert gate.choose_ag_implementation(**_AG, implementation="fused",
-                                       table=tuning.empty_table())[0] == "fused"
+  assert _decide_ag(**_AG, implementation="fused", table=tuning.empty_table())[0] == "fused"
 
 
 def test_autotune_writes_ag_entries_the_gate_reads(monkeypatch):
-  # The entry experiments/autotune.py --op=ag_matmul writes (tuning_schema.make_entry) for the
+  # The entry experiments/autotune.py --op=ag_matmul writes (schema.make_entry) for the
   # row-parallel backward of a case: all_gather(dy) @ w.T, dy [m/D, n], w.T [n, k_shard].
   cfg = ag_matmul.default_config(128, 1024)
   kind = jax.devices()[0].device_kind
-  entry = tuning_schema.make_entry(
+  entry = schema.make_entry(
       op="ag_matmul", gpu_kind=kind, num_devices=8, m=1024, n=1024, k_shard=1024,
       fused_us=[9.0, 9.5, 8.0], xla_us=[10.0, 10.5, 11.0],
       config_json=ag_matmul.config_to_json(cfg), measured_with="test", mode="multi_gpu")
@@ -473,12 +506,12 @@ def test_autotune_writes_ag_entries_the_gate_reads(monkeypatch):
   monkeypatch.setattr(platform, "on_hopper", lambda: True)
   kw = dict(m_shard=128, k=1024, n=1024, dtype=jnp.bfloat16, out_dtype=jnp.bfloat16,
             num_devices=8, gather_dimension=0, implementation="auto", table=table)
-  assert gate.choose_ag_implementation(**kw)[:2] == ("fused", cfg)
-  slower = tuning_schema.make_entry(
+  assert _decide_ag(**kw)[:2] == ("fused", cfg)
+  slower = schema.make_entry(
       op="ag_matmul", gpu_kind=kind, num_devices=8, m=1024, n=1024, k_shard=1024,
       fused_us=[12.0], xla_us=[10.0], config_json=None)
   assert slower["implementation"] == "xla"
-  assert gate.choose_ag_implementation(**dict(kw, table=_table(slower)))[0] == "xla"
+  assert _decide_ag(**dict(kw, table=_table(slower)))[0] == "xla"
 
 
 def test_autotune_dry_run_lists_the_ag_problems():
@@ -499,7 +532,7 @@ def test_autotune_dry_run_lists_the_ag_problems():
 def test_table_config_gets_the_same_checks_as_a_callers(monkeypatch):
   """A table config that this GPU cannot run (a grid larger than its SMs) is not picked: the
   gate checks table configs with fused.check_supported, as it checks a caller's."""
-  from pallas_rs import fused  # pylint: disable=g-import-not-at-top
+  from pallas_rs.kernel import fused  # pylint: disable=g-import-not-at-top
   m = 4096
   table = _table(_entry(m))
   assert _choose(m, table=table).implementation == "fused"

@@ -11,8 +11,8 @@ import pytest
 import helpers
 import pallas_rs
 from pallas_rs import reference
-from pallas_rs import shapes
-from pallas_rs import testing
+from pallas_rs.bench import shapes
+from pallas_rs.bench import testing
 from pallas_rs import vjp
 
 AXIS = helpers.AXIS

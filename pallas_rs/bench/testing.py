@@ -149,7 +149,7 @@ def device_reference(xs, ws) -> jax.Array:
   return ref.reshape(d, m // d, -1)
 
 
-# Input families of the numerics experiments (pallas_rs.numerics re-exports them).
+# Input families of the numerics experiments (pallas_rs.bench.numerics re-exports them).
 FAMILIES = ("gaussian", "channel_scaled", "outliers", "llm_weights")
 # channel_scaled: per-channel (column of x) scale exp(N(0, CHANNEL_LOG_SIGMA^2)).
 CHANNEL_LOG_SIGMA = 1.0

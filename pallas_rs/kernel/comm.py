@@ -19,8 +19,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from jax import lax
 import jax.numpy as jnp
 
-from pallas_rs import schedule
-from pallas_rs.config import Config
+from pallas_rs.kernel import schedule
+from pallas_rs.kernel.config import Config
 
 _NUM_COMPUTE_WGS = schedule.NUM_COMPUTE_WGS
 

@@ -10,14 +10,14 @@ import math
 import statistics
 from typing import Any, Mapping, NamedTuple
 
-# pallas_rs.config (and with it the Mosaic GPU import chain) is imported on first use, so that
+# pallas_rs.kernel.config (and with it the Mosaic GPU import chain) is imported on first use, so that
 # `import pallas_rs` stays light.
 
 SCHEMA_VERSION = 1
-CHOICES = ("fused", "xla")  # What an entry or a decision picks; gate.IMPLEMENTATIONS adds "auto".
+CHOICES = ("fused", "xla")  # What an entry or a decision picks; api.IMPLEMENTATIONS adds "auto".
 OPS = ("matmul_rs", "ag_matmul")
 DEFAULT_OP = "matmul_rs"
-SOURCES = ("table", "heuristic", "default", "override")
+SOURCES = ("table", "heuristic", "default")
 MODES = ("single_gpu", "multi_gpu", "loopback")
 INFORMATIONAL_MODES = ("loopback",)
 
@@ -42,7 +42,7 @@ class Key(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
-  """What `choose` picked, and why.
+  """What the table says for one shape (`tuning.select`), and why.
 
   Attributes:
     implementation: "fused" or "xla".
@@ -50,8 +50,7 @@ class Decision:
       implementation is "fused"; for "xla", the config the fused path would use
       if forced (None where the kernel cannot take the shape).
     source: "table" (exact entry), "heuristic" (nearest measured m),
-      "default" (no usable measurement, or a shape the kernel cannot take) or
-      "override" (an explicit config from the caller, `pallas_rs.gate`).
+      or "default" (no usable measurement).
     reason: one line for logs, naming the key and the evidence.
   """
   implementation: str
@@ -72,7 +71,7 @@ class Decision:
 def _config_codec(op: str):
   """(to_json, from_json) of the config type of `op`."""
   if op == "ag_matmul":
-    from pallas_rs import ag_matmul  # pylint: disable=g-import-not-at-top
+    from pallas_rs.kernel import ag_matmul  # pylint: disable=g-import-not-at-top
     return ag_matmul.config_to_json, ag_matmul.config_from_json
   return config_to_json, config_from_json
 
@@ -92,7 +91,7 @@ def config_to_json(cfg) -> dict[str, Any]:
 def config_from_json(obj: Mapping[str, Any]):
   """Inverse of `config_to_json` (a `pallas_rs.Config`); ValueError on unknown fields or bad
   values."""
-  from pallas_rs import config as config_lib  # pylint: disable=g-import-not-at-top
+  from pallas_rs.kernel import config as config_lib  # pylint: disable=g-import-not-at-top
   config_fields = tuple(f.name for f in dataclasses.fields(config_lib.Config))
   if not isinstance(obj, Mapping):
     raise ValueError(f"config must be an object, got {type(obj).__name__}")

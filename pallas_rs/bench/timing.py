@@ -51,7 +51,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from pallas_rs import metrics
+from pallas_rs.tuning import metrics
 
 TIMERS = ("auto", "cupti", "host_wall_clock")
 DEFAULT_ITERATIONS = 200
@@ -279,7 +279,7 @@ def kernels_to_timing(per_iter: Sequence[Kernels], num_devices: int) -> Timing:
   elif separable:
     rule = (f"{num_devices} devices, records without device ids: per kernel "
             "name, sum of the c largest (step, max rule) / c smallest (min "
-            "rule) of its c*num_devices durations; see pallas_rs/timing.py")
+            "rule) of its c*num_devices durations; see pallas_rs/bench/timing.py")
     notes.append("multi-device CUPTI rule: exact for one-kernel steps, upper "
                  "bound otherwise; kernels overlapping on several streams are "
                  "summed (overstated); compare with host_batch_us")

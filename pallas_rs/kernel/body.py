@@ -19,9 +19,9 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
-from pallas_rs import comm as comm_lib
-from pallas_rs import schedule
-from pallas_rs.config import Config
+from pallas_rs.kernel import comm as comm_lib
+from pallas_rs.kernel import schedule
+from pallas_rs.kernel.config import Config
 
 _NUM_COMPUTE_WGS = schedule.NUM_COMPUTE_WGS
 

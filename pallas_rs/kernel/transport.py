@@ -18,7 +18,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 from jax import lax
 
-from pallas_rs.schedule import NUM_COMPUTE_WGS
+from pallas_rs.kernel.schedule import NUM_COMPUTE_WGS
 
 
 @dataclasses.dataclass(frozen=True)

@@ -85,16 +85,16 @@ import ml_dtypes
 import numpy as np
 
 from pallas_rs import reference
-from pallas_rs import schedule
+from pallas_rs.kernel import schedule
 # Re-exported: the input families (defined beside the project's other input generators) and the
 # per-rank view of `family_inputs`.
-from pallas_rs.testing import (CHANNEL_LOG_SIGMA, FAMILIES, NUM_OUTLIER_CHANNELS,  # pylint: disable=unused-import
+from pallas_rs.bench.testing import (CHANNEL_LOG_SIGMA, FAMILIES, NUM_OUTLIER_CHANNELS,  # pylint: disable=unused-import
                                OUTLIER_SCALE, WEIGHT_STD, family_inputs, family_scales,
                                split_inputs)
 
 RULE_BOUND = 1.1
 # The values of Config.partial_dtype, Config.owner_sum and config.NUMERICS_MODES
-# (pallas_rs/config.py; kept here so that importing this module does not import the Mosaic GPU
+# (pallas_rs/kernel/config.py; kept here so that importing this module does not import the Mosaic GPU
 # chain; tests/test_numerics.py checks they agree).
 PARTIAL_DTYPES = ("bfloat16", "float32")
 OWNER_SUMS = ("fp32", "bf16_ring")

@@ -14,11 +14,11 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_rs import config as config_lib
-from pallas_rs import kernel as kernel_lib
 from pallas_rs import platform
-from pallas_rs import schedule
-from pallas_rs import transport as transport_lib
+from pallas_rs.kernel import body as body_lib
+from pallas_rs.kernel import config as config_lib
+from pallas_rs.kernel import schedule
+from pallas_rs.kernel import transport as transport_lib
 
 Config = config_lib.Config
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16),)
@@ -68,7 +68,7 @@ def check_supported(*, m: int, k_shard: int, n: int, dtype, num_devices: int,
 @dataclasses.dataclass(frozen=True)
 class CheckedConfig:
   """A config that `check_supported` (and, inside shard_map, `check_mesh`) accepted for one
-  problem. `pallas_rs.gate` decides "auto" once and hands this down; the entry points below
+  problem. `pallas_rs.tuning.gate.decide` hands this down, once per call; the entry points below
   then use the config without checking again (a plain Config or None is checked as usual)."""
   config: Config
   problem: tuple  # (m, k_shard, n, dtype name, num_devices)
@@ -156,15 +156,15 @@ def _compiler_params():
 
 def _skip(ablate) -> frozenset[str]:
   skip = frozenset(ablate)
-  if not skip <= kernel_lib.ABLATIONS:
-    raise ValueError(f"ablate={sorted(skip)} must be a subset of {sorted(kernel_lib.ABLATIONS)}")
+  if not skip <= body_lib.ABLATIONS:
+    raise ValueError(f"ablate={sorted(skip)} must be a subset of {sorted(body_lib.ABLATIONS)}")
   return skip
 
 
 def _build(transport, *, out_type, config: Config, num_devices: int, name: str,
            skip: frozenset[str] = frozenset()):
   grid, grid_names = transport.grid(config.num_sms)
-  body = functools.partial(kernel_lib.kernel_body, config=config, num_devices=num_devices,
+  body = functools.partial(body_lib.kernel_body, config=config, num_devices=num_devices,
                            transport=transport, skip=skip)
   if num_devices == 1:
     body = functools.partial(_no_recv, body)
@@ -203,9 +203,9 @@ def fused_matmul_reduce_scatter(x, w, *, axis_name, num_devices: int,
   The mesh may have other axes, all manual in the shard_map: the sum runs over the devices
   that share this device's coordinates on them (its group); `check_mesh` says what runs.
 
-  `ablate` (kernel.ABLATIONS: "comm", "reduce", "gemm"): leave a stage out, for timing only;
+  `ablate` (body.ABLATIONS: "comm", "reduce", "gemm"): leave a stage out, for timing only;
   the result is then wrong
-  (kernel.kernel_body says what each leaves out)."""
+  (body.kernel_body says what each leaves out)."""
   m, k_shard = x.shape
   n = w.shape[1]
   if isinstance(config, CheckedConfig):

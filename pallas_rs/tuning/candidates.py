@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from pallas_rs import config as config_lib
+from pallas_rs.kernel import config as config_lib
 
 Config = config_lib.Config
 

@@ -2,7 +2,7 @@
 
 The fused kernels are chosen only where a measurement says they win ("never slower than
 `jnp.dot` + `lax.psum_scatter`", docs/design.md section 6). This module holds the
-measurements; `pallas_rs.gate` makes the decision from them, and `pallas_rs.candidates`
+measurements; `pallas_rs.tuning.gate` makes the decision from them, and `pallas_rs.tuning.candidates`
 proposes the configs the tuner (experiments/autotune.py) measures. `select` consults, in order:
 
   (a) table: an exact entry for (op, gpu_kind, num_devices, m, n, k_shard, dtype);
@@ -21,7 +21,7 @@ Two ops share the table ("op", default "matmul_rs" so that older files load unch
                count (the global token count M; each device computes an
                [m, k_shard] @ [k_shard, n] GEMM), as `matmul_reduce_scatter` sees
                `x.shape[0]` inside shard_map. config: `Config` fields, required for "fused".
-  "ag_matmul"  jax's all-gather matmul (`pallas_rs.ag_matmul`). `m` is the gathered row
+  "ag_matmul"  jax's all-gather matmul (`pallas_rs.kernel.ag_matmul`). `m` is the gathered row
                count (m_shard * D), `k_shard` the contraction size each device multiplies
                (lhs.shape[1]: not sharded in this op), `n` this device's output columns.
                config: `hopper_matmul_mgpu.TuningConfig` fields, or null for the kernel's
@@ -48,7 +48,7 @@ from an entry take the defaults; unknown fields are errors.
 Which table: `select(table=...)` if given, else the innermost `use_table(...)`
 context, else the file named by the environment variable
 PALLAS_RS_TUNING_TABLE (read at every lookup), else the table shipped in the
-package (`pallas_rs/data/tuning_table.json`). A user table replaces the shipped
+package (`pallas_rs/tuning/data/tuning_table.json`). A user table replaces the shipped
 one; to extend it, `merge_entries(packaged_table(), load_table(path))`.
 """
 from __future__ import annotations
@@ -66,26 +66,26 @@ from absl import logging
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_rs import metrics
+from pallas_rs.tuning import metrics
 # The schema's names are part of this module's interface (tests, experiments/autotune.py).
-from pallas_rs.tuning_schema import CHOICES  # pylint: disable=unused-import
-from pallas_rs.tuning_schema import config_from_json  # pylint: disable=unused-import
-from pallas_rs.tuning_schema import config_to_json  # pylint: disable=unused-import
-from pallas_rs.tuning_schema import DEFAULT_OP
-from pallas_rs.tuning_schema import Decision
-from pallas_rs.tuning_schema import empty_table  # pylint: disable=unused-import
-from pallas_rs.tuning_schema import entry_config
-from pallas_rs.tuning_schema import entry_key
-from pallas_rs.tuning_schema import entry_mode  # pylint: disable=unused-import
-from pallas_rs.tuning_schema import entry_op
-from pallas_rs.tuning_schema import identity
-from pallas_rs.tuning_schema import is_informational
-from pallas_rs.tuning_schema import Key
-from pallas_rs.tuning_schema import norm_kind
-from pallas_rs.tuning_schema import OPS  # pylint: disable=unused-import
-from pallas_rs.tuning_schema import SCHEMA_VERSION
-from pallas_rs.tuning_schema import SOURCES  # pylint: disable=unused-import
-from pallas_rs.tuning_schema import validate_table
+from pallas_rs.tuning.schema import CHOICES  # pylint: disable=unused-import
+from pallas_rs.tuning.schema import config_from_json  # pylint: disable=unused-import
+from pallas_rs.tuning.schema import config_to_json  # pylint: disable=unused-import
+from pallas_rs.tuning.schema import DEFAULT_OP
+from pallas_rs.tuning.schema import Decision
+from pallas_rs.tuning.schema import empty_table  # pylint: disable=unused-import
+from pallas_rs.tuning.schema import entry_config
+from pallas_rs.tuning.schema import entry_key
+from pallas_rs.tuning.schema import entry_mode  # pylint: disable=unused-import
+from pallas_rs.tuning.schema import entry_op
+from pallas_rs.tuning.schema import identity
+from pallas_rs.tuning.schema import is_informational
+from pallas_rs.tuning.schema import Key
+from pallas_rs.tuning.schema import norm_kind
+from pallas_rs.tuning.schema import OPS  # pylint: disable=unused-import
+from pallas_rs.tuning.schema import SCHEMA_VERSION
+from pallas_rs.tuning.schema import SOURCES  # pylint: disable=unused-import
+from pallas_rs.tuning.schema import validate_table
 
 ENV_VAR = "PALLAS_RS_TUNING_TABLE"
 PACKAGED_TABLE_PATH = Path(__file__).parent / "data" / "tuning_table.json"

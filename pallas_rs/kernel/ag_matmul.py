@@ -8,7 +8,7 @@ this module is the fused one: jax's Mosaic GPU kernel
 forwards LHS tiles to the previous device (`plgpu.remote_ref` + one semaphore; no NVLink
 multicast) while computing. Hopper, one process, bf16/f16, the gathered axis spanning every
 device of the process, gather along rows, shapes divisible by its tiles (`check_supported`).
-Which path runs is `pallas_rs.gate.choose_ag_implementation`'s call (docs/design.md section 6).
+Which path runs is `pallas_rs.tuning.gate.decide`'s call (docs/design.md section 6).
 
 The kernel does not return the gathered LHS (its receive buffer is internal), so
 `fused_all_gather_matmul`'s second output is a separate `lax.all_gather`; callers that need it
