@@ -280,6 +280,27 @@ def test_fp32_partials_without_room_are_refused():
     cfg.check_shape(m=1024, n=1024, k_shard=512, num_devices=2)
 
 
+def test_comm_ctas_are_limited_by_the_rank_s_ctas():
+  # On devices each rank has all num_sms CTAs (16 pulling CTAs at D = 8 are legal); in
+  # loopback the D ranks share them (132 // 8 = 16: none left to compute).
+  cfg = config_lib.Config(comm_ctas=16, comm_mode="pull")
+  cfg.check_shape(m=8192, n=8192, k_shard=1024, num_devices=8)
+  with pytest.raises(NotImplementedError, match="loopback rank"):
+    cfg.check_shape(m=8192, n=8192, k_shard=1024, num_devices=8, loopback=True)
+  with pytest.raises(NotImplementedError, match="leaves no compute CTA among the 132"):
+    config_lib.Config(comm_ctas=132).check_shape(m=8192, n=8192, k_shard=1024, num_devices=2)
+
+
+def test_sixteen_pulling_comm_ctas_lower_in_loopback():
+  cfg = config_lib.with_numerics(config_lib.Config(comm_ctas=16, comm_mode="pull"),
+                                 "unfused_order", 2)
+  xs = jax.ShapeDtypeStruct((2, 512 * 2, 256), jnp.bfloat16)
+  ws = jax.ShapeDtypeStruct((2, 256, 2048), jnp.bfloat16)
+  exported = jax.export.export(jax.jit(functools.partial(
+      fused.loopback_matmul_reduce_scatter, config=cfg)), platforms=["cuda"])(xs, ws)
+  assert exported.out_avals[0].shape == (2, 512, 2048)
+
+
 @pytest.mark.parametrize("d", [2, pytest.param(8, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("numerics", ["unfused_order", "fp32_partials"])
 def test_pull_comm_ctas_lower_in_loopback(d, numerics):

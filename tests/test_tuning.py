@@ -539,3 +539,20 @@ def test_table_config_gets_the_same_checks_as_a_callers(monkeypatch):
   monkeypatch.setattr(fused, "gpu_num_sms", lambda: 114)  # e.g. an H100 PCIe
   decision = _choose(m, table=table)
   assert decision.implementation == "xla" and "114 SMs" in decision.reason, decision
+
+
+def test_comm_variants_keep_the_tiles_and_vary_only_the_comm_path():
+  base = config_lib.with_numerics(
+      config_lib.Config(tile_m=128, tile_n=128, grid_tile_width=4), "unfused_order", 2)
+  got = candidates.comm_variants(base, m=8192, n=8192, k_shard=4096, num_devices=2)
+  assert [(c.comm_mode, c.comm_ctas) for c in got] == [
+      ("push", 0), ("pull", 2), ("pull", 4), ("pull", 8), ("pull", 16), ("push", 8)]
+  for c in got:
+    assert (c.tile_m, c.tile_n, c.grid_tile_width, c.numerics) == (128, 128, 4, "unfused_order")
+    assert c.fits_smem(2)
+  # Without remote TMA loads (jax < 0.11.2 on devices) only the pushing ones.
+  assert all(c.comm_mode == "push" for c in candidates.comm_variants(
+      base, m=8192, n=8192, k_shard=4096, num_devices=2, pull=False))
+  # A shape the tiles cannot take has no variants.
+  assert candidates.comm_variants(base, m=8192, n=8192 + 128, k_shard=4096,
+                                  num_devices=2) == []

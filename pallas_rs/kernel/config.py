@@ -196,8 +196,10 @@ class Config:
     comm = self.comm_smem_bytes() if num_devices > 1 else 0
     return max(self.smem_bytes(num_devices), comm) <= limit
 
-  def check_shape(self, *, m: int, n: int, k_shard: int, num_devices: int) -> None:
-    """Raises NotImplementedError if the kernel cannot take this (legal) problem with this config."""
+  def check_shape(self, *, m: int, n: int, k_shard: int, num_devices: int,
+                  loopback: bool = False) -> None:
+    """Raises NotImplementedError if the kernel cannot take this (legal) problem with this config
+    (`loopback`: on the one-GPU transport, whose D ranks share the GPU's CTAs)."""
     chunk = m // num_devices
     if chunk % self.cta_tile_m:
       raise NotImplementedError(
@@ -213,11 +215,13 @@ class Config:
           f"config needs {self.smem_bytes(num_devices)} B (compute CTA) and "
           f"{self.comm_smem_bytes()} B (comm CTA) of shared memory at {num_devices=}, over "
           f"the {SMEM_LIMIT_BYTES} B limit: {self}")
-    if num_devices > 1 and self.comm_ctas >= self.num_sms // num_devices:
-      # Loopback runs num_sms // D CTAs per rank; on devices each rank has num_sms.
+    # Loopback runs num_sms // D CTAs per rank; on devices each rank has num_sms.
+    ctas = self.num_sms // num_devices if loopback else self.num_sms
+    if num_devices > 1 and self.comm_ctas >= ctas:
       raise NotImplementedError(
-          f"comm_ctas={self.comm_ctas} leaves no compute CTA among the "
-          f"num_sms // num_devices = {self.num_sms} // {num_devices} CTAs of a loopback rank")
+          f"comm_ctas={self.comm_ctas} leaves no compute CTA among the {ctas} CTAs of a "
+          + (f"loopback rank (num_sms // num_devices = {self.num_sms} // {num_devices})"
+             if loopback else "rank"))
 
 
 def default_numerics(num_devices: int) -> str:

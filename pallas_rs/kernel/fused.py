@@ -55,7 +55,7 @@ def check_supported(*, m: int, k_shard: int, n: int, dtype, num_devices: int,
     # than the GPU could leave the CTAs that would signal it unscheduled (deadlock).
     raise NotImplementedError(
         f"config.num_sms={config.num_sms} exceeds the {sms} SMs of {jax.devices()[0].device_kind}")
-  config.check_shape(m=m, n=n, k_shard=k_shard, num_devices=num_devices)
+  config.check_shape(m=m, n=n, k_shard=k_shard, num_devices=num_devices, loopback=loopback)
   if (not loopback and num_devices > 1 and config.comm_ctas and config.comm_mode == "pull"
       and not remote_tma_loads_supported()):
     raise NotImplementedError(

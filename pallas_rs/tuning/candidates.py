@@ -101,8 +101,9 @@ def adapt_config(cfg: Config, *, m: int, n: int, k_shard: int,
 
 
 # (comm_mode, comm_ctas) tried by comm_variants: pulling beats pushing per comm CTA once its
-# signals are batched (BUILD_NOTES 2026-12-01: ~36-40 vs ~24 GB/s), push 8 stays as a check.
-COMM_VARIANTS = (("push", 0), ("pull", 2), ("pull", 4), ("pull", 8), ("push", 8))
+# signals are batched (BUILD_NOTES 2026-12-01: ~36-40 vs ~24 GB/s), push 8 stays as a check;
+# 16 pulling CTAs for the shapes whose transfer needs the whole link (D = 8's o_proj).
+COMM_VARIANTS = (("push", 0), ("pull", 2), ("pull", 4), ("pull", 8), ("pull", 16), ("push", 8))
 
 
 def comm_variants(base: Config, *, m: int, n: int, k_shard: int, num_devices: int,
