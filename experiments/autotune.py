@@ -72,7 +72,8 @@ flags.DEFINE_enum("candidates", "search", ["search", "comm"],
 flags.DEFINE_bool("loopback", True, "single_gpu: also time the loopback at the "
                   "case's D with the best 2 configs (informational entries).")
 flags.DEFINE_float("margin", 0.0, "Choose fused only if its median < (1 - "
-                   "margin) * the XLA median.")
+                   "margin) * the XLA median; multi_gpu: and a config over the first "
+                   "candidate (the incumbent) only if it beats it by the same margin.")
 flags.DEFINE_float("max_error_ratio", 1.1, "Fused max rel error allowed, as a "
                    "multiple of the XLA path's (plus 1e-6).")
 flags.DEFINE_string("table", "pallas_rs/tuning/data/tuning_table.json", "Tuning table "
@@ -150,9 +151,15 @@ def time_candidate(label: str, fn, args, ref, *, num_devices: int,
   return rec
 
 
-def _best(recs):
+def _best(recs, margin: float = 0.0):
+  """The fastest candidate, unless it beats the first one (the incumbent: the default or the
+  table's config) by no more than `margin`: then the incumbent (a win within the run-to-run
+  spread is not a win)."""
   ok = [r for r in recs if r.get("status") == "ok"]
-  return min(ok, key=lambda r: r["median_us"]) if ok else None
+  if not ok:
+    return None
+  best = min(ok, key=lambda r: r["median_us"])
+  return best if best["median_us"] < (1 - margin) * ok[0]["median_us"] else ok[0]
 
 
 def _gate_entry(*, gpu_kind, d, m, n, k_shard, best, xla, env, mode,
@@ -320,7 +327,7 @@ def tune_multi_gpu(case, env) -> tuple[list[dict], list[dict]]:
              mode="multi_gpu")
   entry = _gate_entry(
       gpu_kind=env["device_kind"], d=d, m=m, n=n, k_shard=k_shard,
-      best=_best(records[1:]), xla=xla, env=env, mode="multi_gpu",
+      best=_best(records[1:], FLAGS.margin), xla=xla, env=env, mode="multi_gpu",
       measured_with=(f"experiments/autotune.py --mode=multi_gpu: fused under "
                      f"shard_map vs jnp.dot + psum_scatter (T_seq) on {d} GPUs, "
                      f"{xla['timer']} step time (max over devices), "

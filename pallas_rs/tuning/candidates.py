@@ -110,9 +110,10 @@ def comm_variants(base: Config, *, m: int, n: int, k_shard: int, num_devices: in
                   pull: bool = True) -> list[Config]:
   """`base` (its tiles, pipeline and numerics kept) with each way of moving the partials in
   COMM_VARIANTS (comm_ctas 0 is v1's direct push), fitted to SMEM; those the kernel cannot
-  take for the shape left out; `pull=False` leaves the pulling ones out (jax < 0.11.2)."""
+  take for the shape left out; `pull=False` leaves the pulling ones out (jax < 0.11.2).
+  `base` itself (the incumbent) comes first when the kernel takes it."""
   out = []
-  for mode, ctas in COMM_VARIANTS:
+  for mode, ctas in ((base.comm_mode, base.comm_ctas), *COMM_VARIANTS):
     if mode == "pull" and not pull:
       continue
     cfg = config_lib.fit_smem(dataclasses.replace(base, comm_mode=mode, comm_ctas=ctas),
