@@ -12,6 +12,7 @@
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh mesh2d   # 4 GPUs: (dp, tp) = (2, 2) vs 1-D D = 2
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh smallm   # M = 512/2048: GEMM core vs XLA's dot per tile shape
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh smallm_proxy8  # the same at D = 8's k_shard
+#   OUT=/tmp/mg bash experiments/run_multi_gpu.sh timeline # M = 512/2048: per-call phase timeline (profiler)
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_ALLOCATOR=default
 out=${OUT:-/tmp/mg}; mkdir -p "$out"
@@ -79,6 +80,12 @@ llama70b_o_proj_m512,llama70b_o_proj_m32768,mixtral8x22b_w2_m2048,llama70b_down_
     timeout 540 python3 experiments/ablate.py --names="$names" --iterations=50 \
       --configs=table,t64x128,t128x64,t64x64 --ablations=fused,neither \
       --out="$out/ablate_$1.json" 2>&1 | quiet | tail -75 ;;
-  *) echo "usage: $0 check|sweep|proxy8|ablate|probe|numerics|model|roofline|mesh2d|smallm|smallm_proxy8" >&2
+  timeline)
+    # Issue 19: where a small-M call's time goes (Mosaic GPU profiler traces under $out/traces).
+    timeout 400 python3 experiments/timeline.py --configs=table --trace_dir="$out/traces" \
+      --names=llama70b_o_proj_m512,llama70b_down_proj_m512,mixtral8x22b_o_proj_m512,\
+mixtral8x22b_w2_m512,llama70b_o_proj_m2048,mixtral8x22b_o_proj_m2048 \
+      --out="$out/timeline.json" 2>&1 | quiet | tail -20 ;;
+  *) echo "usage: $0 check|sweep|proxy8|ablate|probe|numerics|model|roofline|mesh2d|smallm|smallm_proxy8|timeline" >&2
      exit 2 ;;
 esac

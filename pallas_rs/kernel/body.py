@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 
+import jax
 from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -185,12 +186,13 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
         "fp32": acc (f32) + the received partials in slot order, rounded once;
         "bf16_ring": the unfused path's arithmetic, schedule.ring_slots."""
         if comm_on and "owner_wait" not in skip:
-          if num_comm:  # Each slot's tiles arrive in the order its comm CTA moves them.
-            c, need = tile % num_comm, tile // num_comm + 1
-            for slot in range(d - 1):
-              transport.wait(sems, rank, where.delivered(slot, c, wg_idx), need, local=pull)
-          else:
-            transport.wait(sems, rank, where.arrived(tile, wg_idx), d - 1)
+          with jax.named_scope("owner_wait"):
+            if num_comm:  # Each slot's tiles arrive in the order its comm CTA moves them.
+              c, need = tile % num_comm, tile // num_comm + 1
+              for slot in range(d - 1):
+                transport.wait(sems, rank, where.delivered(slot, c, wg_idx), need, local=pull)
+            else:
+              transport.wait(sems, rank, where.arrived(tile, wg_idx), d - 1)
         loads = [(mi, ni, j) for mi, ni in epi_tiles for j in slot_order]
         if not reduce_on:
           loads = []
@@ -242,7 +244,8 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
         def compute_context(eval_pipeline):
           @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
           def _acc_scope(acc_ref):
-            eval_pipeline(acc_ref)
+            with jax.named_scope("mainloop"):
+              eval_pipeline(acc_ref)
             # The previous tile's stores had this tile's whole mainloop to land.
             plgpu.wait_smem_to_gmem(0, wait_read_only=False)
             if d > 1 and comm_on:
@@ -254,6 +257,7 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
             is_own = step == schedule.own_step(d)
 
             @pl.when(is_own)
+            @jax.named_scope("own_epilogue")
             def _own():
               if d > 1:
                 summed = reduce_tile(acc_ref[...], tile, slices)
@@ -264,6 +268,7 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
 
             if d > 1:
               @pl.when(jnp.logical_not(is_own))
+              @jax.named_scope("remote_epilogue")
               def _remote():
                 acc = acc_ref[...].astype(part_dtype)
                 subs = [acc[epi_slices(mi, ni)] for mi, ni in epi_tiles]

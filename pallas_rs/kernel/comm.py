@@ -14,6 +14,7 @@ import dataclasses
 import functools
 from typing import Any, Callable
 
+import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 from jax import lax
@@ -138,8 +139,9 @@ def push_program(ctx: CommContext, comm_index):
           _announce_landed(ctx, j, blocks, emit)
           return carry
 
-        lax.fori_loop(0, num_tiles * blocks, push, None)
-        _announce_rest(ctx, num_tiles, emit)
+        with jax.named_scope(f"comm_push_step{step}"):  # (profile: one event pair a step)
+          lax.fori_loop(0, num_tiles * blocks, push, None)
+          _announce_rest(ctx, num_tiles, emit)
 
 
 def pull_program(ctx: CommContext, comm_index):
@@ -209,14 +211,16 @@ def pull_program(ctx: CommContext, comm_index):
           _announce_landed(ctx, j, blocks, emit)
           return carry
 
-        lax.fori_loop(0, count, move, None)
-        _announce_rest(ctx, num_tiles, emit)
+        with jax.named_scope(f"comm_pull_step{step}"):  # (profile: one event pair a step)
+          lax.fori_loop(0, count, move, None)
+          _announce_rest(ctx, num_tiles, emit)
 
       # Each load was waited on before its store: this warpgroup reads no peer any more.
       for o in range(1, d):
         transport.signal(sems, rank, o, where.done())
 
       @pl.when((comm_index == 0) & (wg_idx == 0))
+      @jax.named_scope("comm_exit_wait")
       def _():
         # Peers may still read this rank's staging buffer; XLA may reuse it once the kernel
         # exits.

@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -149,9 +150,36 @@ def _reduced_axis(axis_name) -> str:
   return next((name for name in names if sizes.get(name, 1) > 1), names[0])
 
 
+_PROFILE: dict = {}  # Set only inside `profile`.
+
+
+@contextlib.contextmanager
+def profile(directory: str, space: int = 128):
+  """Kernels traced inside this context record a timeline of their named phases (body.py:
+  per tile; comm.py: per step) with Mosaic GPU's profiler: one Perfetto trace per call under
+  `directory`, up to `space` events per warpgroup (at most 8 a tile: more is undefined
+  behaviour), in `profile_smem_bytes(space)` of each CTA's shared memory, which the config
+  must leave free (experiments/timeline.py sizes both). Diagnostics only: each event reads
+  the clock, and a function traced outside the context (a cached jit) does not profile."""
+  if space < 1:
+    raise ValueError(f"{space=} must be >= 1")
+  previous = dict(_PROFILE)
+  _PROFILE.update(profile_dir=str(directory), profile_space=int(space))
+  try:
+    yield
+  finally:
+    _PROFILE.clear()
+    _PROFILE.update(previous)
+
+
+def profile_smem_bytes(space: int) -> int:
+  """Shared memory the profiler takes per CTA: 4 u32 entries per event, per warpgroup."""
+  return (schedule.NUM_COMPUTE_WGS + 1) * space * 4 * 4
+
+
 def _compiler_params():
   # Lane semantics is the default in jax 0.10.x, Warpgroup in 0.11.x: always say which.
-  return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+  return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup, **_PROFILE)
 
 
 def _skip(ablate) -> frozenset[str]:
