@@ -141,7 +141,8 @@ def main(argv):
             **specs))
         for _ in range(_CALLS.value):
           jax.block_until_ready(fn(*args))
-      traces = sorted(trace_dir.glob("*.json"), key=lambda p: p.stat().st_mtime)[-d:]
+      # Mosaic GPU writes <time_ns>-trace.json per call and device: the last call's are last.
+      traces = sorted(trace_dir.glob("*-trace.json"))[-d:]
       row = {"name": name, "config_name": cname, "config": repr(cfg), "d": d,
              "traces": [str(p) for p in traces],
              "summaries": [summarize(json.loads(p.read_text())["traceEvents"]) for p in traces]}
