@@ -69,6 +69,12 @@ def main(argv):
   gpus = jax.devices()
   nvlink = len(gpus) >= 2
   rows = []
+  out = Path(_OUT.value) if _OUT.value else bench_env.default_out(f"ablate_{mode}.json")
+  environment = bench_env.environment_block(sys.argv)
+
+  def save():
+    bench_env.write_json(out, bench_env.sanitize(dict(environment=environment, rows=rows)))
+
   for name in _NAMES.value:
     case = shapes.by_name(name)
     d = len(gpus) if nvlink else _NUM_DEVICES.value
@@ -109,7 +115,7 @@ def main(argv):
     for cname in _CONFIGS.value:
       cfg = variant_config(base, cname)
       try:
-        cfg.check_shape(m=m, n=n, k_shard=k_shard, num_devices=d)
+        cfg.check_shape(m=m, n=n, k_shard=k_shard, num_devices=d, loopback=not nvlink)
       except NotImplementedError as e:
         row["configs"][cname] = f"unavailable: {e}"
         continue
@@ -126,6 +132,7 @@ def main(argv):
     rows.append(row)
     med = {k: statistics.median(v) for k, v in row["times_us"].items()}
     print(name, {k: round(v, 1) for k, v in med.items()}, flush=True)
+    save()  # After every shape: a run cut short keeps what it measured.
 
   print(f"\n{'shape':32} {'D':>2} {'config':>10} {'variant':>10} {'us':>9} {'/ xla_gemm':>10}")
   for r in rows:
@@ -134,9 +141,6 @@ def main(argv):
       cname, _, variant = label.rpartition(":")
       print(f"{r['name']:32} {r['d']:>2} {cname or ('-' if label.startswith('xla') else 'table'):>10} "
             f"{variant:>10} {t:9.1f} {t / med['xla_gemm']:10.3f}")
-  out = Path(_OUT.value) if _OUT.value else bench_env.default_out(f"ablate_{mode}.json")
-  bench_env.write_json(out, bench_env.sanitize(
-      dict(environment=bench_env.environment_block(sys.argv), rows=rows)))
   print("wrote", out)
 
 
