@@ -24,6 +24,7 @@ import statistics
 import sys
 
 import bench_env  # experiments/ is sys.path[0] when run as a script.
+from config_variants import tuned_config
 from config_variants import variant_config
 
 from absl import app
@@ -59,8 +60,6 @@ def main(argv):
   from pallas_rs.bench import shapes  # pylint: disable=g-import-not-at-top
   from pallas_rs.bench import testing  # pylint: disable=g-import-not-at-top
   from pallas_rs.bench import timing  # pylint: disable=g-import-not-at-top
-  from pallas_rs import platform  # pylint: disable=g-import-not-at-top
-  from pallas_rs.tuning import gate  # pylint: disable=g-import-not-at-top
 
   bad = set(_ABLATIONS.value) - set(VARIANTS)
   if bad:
@@ -107,15 +106,13 @@ def main(argv):
                    "xla_gemm": jax.jit(lambda a, b: jnp.einsum(
                        "dmk,dkn->dmn", a, b, preferred_element_type=jnp.float32).astype(a.dtype))}
       check = lambda out: reference.max_rel_error(jax.device_get(out), ref)
-    # The config "fused" runs for the shape on this GPU kind: the table's, else the default.
-    base = gate.decide("matmul_rs", m=m, k_shard=k_shard, n=n, dtype=args[0].dtype,
-                       num_devices=d, implementation="fused",
-                       gpu_kind=platform.device_kind()).config.config
+    base = tuned_config(m=m, k_shard=k_shard, n=n, dtype=args[0].dtype, num_devices=d)
     fns, row["configs"] = dict(baselines), {}
     for cname in _CONFIGS.value:
       cfg = variant_config(base, cname)
-      try:
-        cfg.check_shape(m=m, n=n, k_shard=k_shard, num_devices=d, loopback=not nvlink)
+      try:  # The kernel's own check, as its entry point will run it.
+        fused.check_supported(m=m, k_shard=k_shard, n=n, dtype=args[0].dtype, num_devices=d,
+                              config=cfg, loopback=not nvlink)
       except NotImplementedError as e:
         row["configs"][cname] = f"unavailable: {e}"
         continue

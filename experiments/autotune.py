@@ -50,6 +50,7 @@ for _path in (_REPO, _HERE):
     sys.path.insert(0, str(_path))
 
 import bench_env  # pylint: disable=g-import-not-at-top,wrong-import-position
+from config_variants import tuned_config  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 AXIS = "tp"
 SMEM_ERROR = "exceeds available shared memory"
@@ -342,12 +343,8 @@ def multi_gpu_candidates(*, m: int, n: int, k_shard: int, d: int) -> list:
     return candidates.candidate_configs(m=m, n=n, k_shard=k_shard, num_devices=d,
                                         max_configs=FLAGS.max_configs)
   from pallas_rs.kernel import fused  # pylint: disable=g-import-not-at-top
-  from pallas_rs.tuning import gate  # pylint: disable=g-import-not-at-top
-  from pallas_rs import platform  # pylint: disable=g-import-not-at-top
-  try:  # The config "fused" runs for the shape on this GPU kind: the table's, else the default.
-    base = gate.decide("matmul_rs", m=m, k_shard=k_shard, n=n, dtype="bfloat16",
-                       num_devices=d, implementation="fused",
-                       gpu_kind=platform.device_kind()).config.config
+  try:
+    base = tuned_config(m=m, k_shard=k_shard, n=n, dtype="bfloat16", num_devices=d)
   except NotImplementedError:
     return []
   return candidates.comm_variants(base, m=m, n=n, k_shard=k_shard, num_devices=d,

@@ -2,12 +2,23 @@
 
 A name is "_"-separated tokens applied in order to a base config (`variant_config`), e.g.
 "p4_ring" (4 pulling comm CTAs, unfused_order numerics) or "t64x128_s4" (64 x 128 warpgroup
-tiles, a 4-step pipeline).
+tiles, a 4-step pipeline); the usual base is `tuned_config`.
 """
 from __future__ import annotations
 
 import dataclasses
 import re
+
+
+def tuned_config(*, m: int, k_shard: int, n: int, dtype, num_devices: int):
+  """The config implementation="fused" runs for the shape on this GPU kind: the tuning table's,
+  else the kernel's default (pallas_rs.tuning.gate.decide). NotImplementedError where the
+  kernel cannot take the shape."""
+  from pallas_rs import platform  # pylint: disable=g-import-not-at-top
+  from pallas_rs.tuning import gate  # pylint: disable=g-import-not-at-top
+  return gate.decide("matmul_rs", m=m, k_shard=k_shard, n=n, dtype=dtype,
+                     num_devices=num_devices, implementation="fused",
+                     gpu_kind=platform.device_kind()).config.config
 
 
 def variant_config(base, name: str):

@@ -25,6 +25,7 @@ import statistics
 import sys
 
 import bench_env  # experiments/ is sys.path[0] when run as a script.
+from config_variants import tuned_config
 from config_variants import variant_config
 
 from absl import app
@@ -103,11 +104,9 @@ def main(argv):
   bench_env.configure_environment("auto")
   import jax  # pylint: disable=g-import-not-at-top
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
-  from pallas_rs import platform  # pylint: disable=g-import-not-at-top
   from pallas_rs.bench import shapes  # pylint: disable=g-import-not-at-top
   from pallas_rs.bench import testing  # pylint: disable=g-import-not-at-top
   from pallas_rs.kernel import fused  # pylint: disable=g-import-not-at-top
-  from pallas_rs.tuning import gate  # pylint: disable=g-import-not-at-top
 
   gpus = jax.devices()
   if gpus[0].platform != "gpu" or len(gpus) < 2:
@@ -125,9 +124,7 @@ def main(argv):
     m, n, k_shard = case.m, case.n, case.k // d
     args = testing.generate(0, m, d * k_shard, n, num_devices=d,
                             shardings=testing.row_parallel_shardings(mesh, "tp"))
-    base = gate.decide("matmul_rs", m=m, k_shard=k_shard, n=n, dtype=args[0].dtype,
-                       num_devices=d, implementation="fused",
-                       gpu_kind=platform.device_kind()).config.config
+    base = tuned_config(m=m, k_shard=k_shard, n=n, dtype=args[0].dtype, num_devices=d)
     for cname in _CONFIGS.value:
       cfg = variant_config(base, cname)
       tiles = d * (m // d // cfg.cta_tile_m) * (n // cfg.cta_tile_n)
