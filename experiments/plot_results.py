@@ -167,24 +167,29 @@ def plot_model_bench(doc, stem: str, out_dir: Path) -> list[Path]:
       groups.setdefault(f"M={r['shape']['m']} {r['pass']}", {})[r["implementation"]] = r
   labels = list(groups)
   impls = sorted({i for recs in groups.values() for i in recs})
+
+  def series(key, scale=1.0):
+    """{implementation: [metrics[key] * scale per (M, pass), None where absent]}."""
+    out = {}
+    for i in impls:
+      values = [groups[g][i]["metrics"].get(key) if i in groups[g] else None for g in labels]
+      out[i] = [None if v is None else v * scale for v in values]
+    return out
+
   fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(6, 0.9 * len(labels) + 3), 7))
-  _bar_groups(top, labels, {i: [(groups[g].get(i, {}).get("metrics") or {}).get(
-      "speedup_vs_xla") for g in labels] for i in impls},
-              "T(xla) / T(impl) (higher is better)")
+  speedups = series("speedup_vs_xla")
+  _bar_groups(top, labels, speedups, "T(xla) / T(impl) (higher is better)")
   top.axhline(1.0, color="red", linestyle="--", linewidth=1)
-  lo = [v for recs in groups.values() for r in recs.values()
-        if (v := r["metrics"].get("speedup_vs_xla")) is not None]
-  if lo:
-    top.set_ylim(min(lo) - 0.05, max(lo) + 0.05)
+  known = [v for values in speedups.values() for v in values if v is not None]
+  if known:
+    top.set_ylim(min(known) - 0.05, max(known) + 0.05)
   model = doc["records"][0]["shape"].get("model", "") if doc["records"] else ""
   top.set_title(_title({**doc, "mode": doc.get("flags", {}).get("mode"),
                         "timer": doc["records"][0].get("timer") if doc["records"] else None,
                         "performance_claims": all(r.get("performance_claims")
                                                   for r in doc["records"])},
                        f"{model} TP block vs XLA"), fontsize=8)
-  _bar_groups(bottom, labels, {i: [100 * v if (v := (groups[g].get(i, {}).get("metrics")
-                                                     or {}).get("exposed_comm_share"))
-                                   is not None else None for g in labels] for i in impls},
+  _bar_groups(bottom, labels, series("exposed_comm_share", 100.0),
               "exposed communication, % of step")
   for ax in (top, bottom):
     ax.set_xlabel("tokens M, pass", fontsize=8)
