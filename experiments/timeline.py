@@ -4,7 +4,8 @@ time of a small-M call goes; issue 17: when the comm CTAs run).
   NCCL_NVLS_ENABLE=0 PYTHONPATH=. python experiments/timeline.py \
       --names=llama70b_o_proj_m512,mixtral8x22b_w2_m512 --configs=table,p4
 
-Per shape (at D = the visible GPUs) and config (`config_variants.variant_config` names applied to
+Per shape (at D = the visible GPUs; on one GPU the loopback at --num_devices virtual ranks,
+one trace per call for all ranks) and config (`config_variants.variant_config` names applied to
 the config "fused" runs for the shape), runs the kernel under `fused.profile` (one Perfetto trace
 per call and device; the named phases of body.py per tile and comm.py per step) and summarizes
 the last call's trace: per phase the count and the median / max duration over warpgroups, and
@@ -35,6 +36,8 @@ _NAMES = flags.DEFINE_list("names", ["llama70b_o_proj_m512", "mixtral8x22b_w2_m5
                            "Shapes (pallas_rs.bench.shapes), k_shard = k // D.")
 _CONFIGS = flags.DEFINE_list("configs", ["table"], "Config variants per shape.")
 _SPACE = flags.DEFINE_integer("space", 128, "Profiler events per warpgroup (fused.profile).")
+_NUM_DEVICES = flags.DEFINE_integer("num_devices", 2, "One GPU: loopback virtual ranks (the "
+                                    "protocol's timeline, not NVLink's).")
 _CALLS = flags.DEFINE_integer("calls", 3, "Calls per case; the last one's trace is summarized.")
 _TRACE_DIR = flags.DEFINE_string("trace_dir", "", "Where the traces go; default "
                                  "experiments/out/timeline_traces (git-ignored).")
@@ -109,12 +112,14 @@ def main(argv):
   from pallas_rs.kernel import fused  # pylint: disable=g-import-not-at-top
 
   gpus = jax.devices()
-  if gpus[0].platform != "gpu" or len(gpus) < 2:
-    raise app.UsageError("timeline.py profiles the NVLink kernel: it needs >= 2 Hopper GPUs")
-  d = len(gpus)
-  mesh = jax.make_mesh((d,), ("tp",), devices=gpus)
-  specs = dict(mesh=mesh, in_specs=(P(None, "tp"), P("tp", None)), out_specs=P("tp", None),
-               check_vma=False)
+  if gpus[0].platform != "gpu":
+    raise app.UsageError("timeline.py profiles the Mosaic GPU kernel: it needs a Hopper GPU")
+  nvlink = len(gpus) >= 2
+  d = len(gpus) if nvlink else _NUM_DEVICES.value
+  if nvlink:
+    mesh = jax.make_mesh((d,), ("tp",), devices=gpus)
+    specs = dict(mesh=mesh, in_specs=(P(None, "tp"), P("tp", None)), out_specs=P("tp", None),
+                 check_vma=False)
   trace_root = Path(_TRACE_DIR.value) if _TRACE_DIR.value else (
       bench_env.default_out("timeline_traces"))
   out = Path(_OUT.value) if _OUT.value else bench_env.default_out("timeline.json")
@@ -122,25 +127,34 @@ def main(argv):
   for name in _NAMES.value:
     case = shapes.by_name(name)
     m, n, k_shard = case.m, case.n, case.k // d
-    args = testing.generate(0, m, d * k_shard, n, num_devices=d,
-                            shardings=testing.row_parallel_shardings(mesh, "tp"))
+    if nvlink:
+      args = testing.generate(0, m, d * k_shard, n, num_devices=d,
+                              shardings=testing.row_parallel_shardings(mesh, "tp"))
+    else:
+      args = testing.stacked_inputs(0, d, m, k_shard, n)
     base = tuned_config(m=m, k_shard=k_shard, n=n, dtype=args[0].dtype, num_devices=d)
     for cname in _CONFIGS.value:
       cfg = variant_config(base, cname)
       tiles = d * (m // d // cfg.cta_tile_m) * (n // cfg.cta_tile_n)
-      per_cta = -(-tiles // (cfg.num_sms - cfg.comm_ctas))
+      # Loopback: the D ranks share the grid, num_sms // D CTAs each.
+      ctas = (cfg.num_sms if nvlink else cfg.num_sms // d) - cfg.comm_ctas
+      per_cta = -(-tiles // ctas)
       cfg = fit_for_profile(cfg, space=_SPACE.value, num_devices=d, tiles_per_cta=per_cta)
       trace_dir = trace_root / f"{name}_{cname}"
       trace_dir.mkdir(parents=True, exist_ok=True)
       with fused.profile(str(trace_dir), _SPACE.value):
-        fn = jax.jit(jax.shard_map(functools.partial(
-            fused.fused_matmul_reduce_scatter, axis_name="tp", num_devices=d, config=cfg),
-            **specs))
+        if nvlink:
+          fn = jax.jit(jax.shard_map(functools.partial(
+              fused.fused_matmul_reduce_scatter, axis_name="tp", num_devices=d, config=cfg),
+              **specs))
+        else:
+          fn = jax.jit(functools.partial(fused.loopback_matmul_reduce_scatter, config=cfg))
         for _ in range(_CALLS.value):
           jax.block_until_ready(fn(*args))
       # Mosaic GPU writes <time_ns>-trace.json per call and device: the last call's are last.
-      traces = sorted(trace_dir.glob("*-trace.json"))[-d:]
+      traces = sorted(trace_dir.glob("*-trace.json"))[-(d if nvlink else 1):]
       row = {"name": name, "config_name": cname, "config": repr(cfg), "d": d,
+             "transport": "nvlink" if nvlink else "loopback",
              "traces": [str(p) for p in traces],
              "summaries": [summarize(json.loads(p.read_text())["traceEvents"]) for p in traces]}
       record["rows"].append(row)

@@ -1,0 +1,156 @@
+"""The GEMM core at small M on one GPU: pallas_rs's kernel at D = 1 and jax's own Hopper matmul
+(with and without cluster TMA multicast) against XLA's dot (issue 19).
+
+  PYTHONPATH=. python experiments/gemm_core.py --ms=512,2048 --ds=2,8
+
+Per projection of the seed table, per M in --ms and per D in --ds, the per-GPU GEMM
+x [M, K/D] @ w [K/D, N] (D = 8's k_shard is the proxy8 shapes'); times (CUPTI, median of
+--iterations) XLA's dot, `fused.local_matmul` with the config variants of --ours
+(`config_variants.variant_config` tokens applied to the tuning table's config for the D-device
+shape, comm fields dropped: at D = 1 the kernel is its GEMM core, the "neither" ablation's
+work without the split into chunks) and `hopper_matmul_mgpu.matmul` with the TuningConfigs of
+--jax (tile_m x tile_n per warpgroup, wg split M or N, cluster multicast along M or N or none).
+Every output is checked against an f32 reference (error <= 1.1x XLA's). JSON after every case
+under --out; a table last (time / XLA's dot).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from pathlib import Path
+import statistics
+import sys
+
+import bench_env  # experiments/ is sys.path[0] when run as a script.
+from config_variants import tuned_config
+from config_variants import variant_config
+
+from absl import app
+from absl import flags
+
+_PROJECTIONS = ("llama70b_o_proj", "llama70b_down_proj", "mixtral8x22b_o_proj",
+                "mixtral8x22b_w2")
+_PROJ = flags.DEFINE_list("projections", list(_PROJECTIONS), "Seed projections.")
+_MS = flags.DEFINE_list("ms", ["512", "2048"], "Global M of the seed shapes.")
+_DS = flags.DEFINE_list("ds", ["2", "8"], "Devices D: the GEMM is M x K/D x N.")
+_OURS = flags.DEFINE_list("ours", ["table", "t128x128_s4", "t64x128_s4", "t128x64_s4",
+                                   "t64x64_s4"], "pallas_rs config variants (D = 1).")
+# tile_m x tile_n (per warpgroup), wg split dimension, cluster dimension (- = none).
+_JAX = flags.DEFINE_list("jax", ["128x128_N_-", "128x128_N_M", "128x128_N_N", "64x128_N_M",
+                                 "128x64_M_-", "128x64_M_N", "128x128_M_N"],
+                         "jax hopper_matmul_mgpu TuningConfigs tMxtN_wgdim_clusterdim.")
+_STEPS = flags.DEFINE_integer("steps", 4, "jax configs: pipeline steps (fit to SMEM down).")
+_ITERS = flags.DEFINE_integer("iterations", 50, "Timed iterations per variant.")
+_OUT = flags.DEFINE_string("out", "", "JSON output path; default experiments/out/gemm_core.json.")
+
+
+def jax_config(hm, token: str, steps: int):
+  """hopper_matmul_mgpu.TuningConfig of a token '128x64_M_N'."""
+  tiles, wg, cluster = token.split("_")
+  tile_m, tile_n = (int(v) for v in tiles.split("x"))
+  dim = lambda s: None if s == "-" else hm.MatmulDimension[s]
+  return hm.TuningConfig(tile_m=tile_m, tile_n=tile_n, tile_k=64, max_concurrent_steps=steps,
+                         epi_tile_m=64, epi_tile_n=64, wg_dimension=dim(wg),
+                         cluster_dimension=dim(cluster))
+
+
+def jax_matmul(hm, config):
+  params = inspect.signature(hm.matmul).parameters
+  if "c" in params:
+    return lambda a, b: hm.matmul(a, b, None, config=config)
+  return lambda a, b: hm.matmul(a, b, config=config)
+
+
+def main(argv):
+  del argv
+  bench_env.configure_environment("single_gpu")
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm  # pylint: disable=g-import-not-at-top
+  from pallas_rs import reference  # pylint: disable=g-import-not-at-top
+  from pallas_rs.bench import shapes  # pylint: disable=g-import-not-at-top
+  from pallas_rs.bench import testing  # pylint: disable=g-import-not-at-top
+  from pallas_rs.bench import timing  # pylint: disable=g-import-not-at-top
+  from pallas_rs.kernel import config as config_lib  # pylint: disable=g-import-not-at-top
+  from pallas_rs.kernel import fused  # pylint: disable=g-import-not-at-top
+
+  if jax.devices()[0].platform != "gpu":
+    raise app.UsageError("gemm_core.py times Mosaic GPU kernels: it needs a Hopper GPU")
+  out = Path(_OUT.value) if _OUT.value else bench_env.default_out("gemm_core.json")
+  environment = bench_env.environment_block(sys.argv)
+  rows = []
+  for proj in _PROJ.value:
+    for m in (int(v) for v in _MS.value):
+      for d in (int(v) for v in _DS.value):
+        case = shapes.by_name(f"{proj}_m{m}")
+        k_shard, n = case.k // d, case.n
+        row = dict(name=f"{proj}_m{m}", d=d, m=m, k_shard=k_shard, n=n, times_us={},
+                   configs={}, max_rel_error={})
+        x, w = testing.generate(0, m, k_shard, n)
+        ref = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32,
+                                           precision="highest"))(x, w)
+        fns = {"xla_dot": jax.jit(lambda a, b: jnp.dot(
+            a, b, preferred_element_type=jnp.float32).astype(a.dtype))}
+        try:
+          base = tuned_config(m=m, k_shard=k_shard, n=n, dtype=x.dtype, num_devices=d)
+        except NotImplementedError:
+          base = config_lib.Config()
+        base = dataclasses.replace(base, comm_ctas=0, comm_mode="push", eager_signal_steps=0,
+                                   out_slots=0)
+        for token in _OURS.value:
+          cfg = config_lib.fit_smem(variant_config(base, token), 1)
+          if repr(cfg) in row["configs"].values():
+            continue  # The same kernel as an earlier variant.
+          try:
+            cfg.check_shape(m=m, n=n, k_shard=k_shard, num_devices=1)
+          except (NotImplementedError, ValueError) as e:
+            row["configs"][f"ours:{token}"] = f"unavailable: {e}"
+            continue
+          row["configs"][f"ours:{token}"] = repr(cfg)
+          fns[f"ours:{token}"] = jax.jit(functools.partial(fused.local_matmul, config=cfg))
+        for token in _JAX.value:
+          for steps in range(_STEPS.value, 1, -1):  # The deepest pipeline that fits SMEM.
+            fn = jax.jit(jax_matmul(hm, jax_config(hm, token, steps)))
+            try:
+              fn.lower(x, w).compile()
+            except Exception as e:  # pylint: disable=broad-except
+              if "shared memory" in str(e):
+                continue
+              row["configs"][f"jax:{token}"] = f"failed: {type(e).__name__}: {str(e)[:300]}"
+              break
+            row["configs"][f"jax:{token}"] = repr(jax_config(hm, token, steps))
+            fns[f"jax:{token}"] = fn
+            break
+        for label, fn in fns.items():
+          try:
+            t = timing.time_function(fn, (x, w), iterations=_ITERS.value, num_devices=1)
+            row["max_rel_error"][label] = reference.max_rel_error(jax.device_get(fn(x, w)),
+                                                                  jax.device_get(ref))
+          except Exception as e:  # pylint: disable=broad-except
+            # A config the kernel rejects or that does not fit SMEM: recorded, not fatal.
+            row["configs"][label] = f"failed: {type(e).__name__}: {str(e)[:300]}"
+            continue
+          row["times_us"][label] = t.times_us
+          row.setdefault("timer", t.timer)
+        rows.append(row)
+        med = {k: statistics.median(v) for k, v in row["times_us"].items()}
+        print(row["name"], f"D={d}", {k: round(v, 1) for k, v in med.items()}, flush=True)
+        bench_env.write_json(out, bench_env.sanitize(dict(environment=environment, rows=rows)))
+
+  print(f"\n{'shape':26} {'D':>2} {'xla us':>7} {'best ours':>18} {'/xla':>6} "
+        f"{'best jax':>16} {'/xla':>6} {'bad err':>7}")
+  for r in rows:
+    med = {k: statistics.median(v) for k, v in r["times_us"].items()}
+    xla = med.get("xla_dot", float("nan"))
+    bad = [k for k, e in r["max_rel_error"].items()
+           if k != "xla_dot" and e > 1.1 * r["max_rel_error"].get("xla_dot", 0) + 1e-6]
+    pick = lambda p: min(((v, k) for k, v in med.items() if k.startswith(p)),
+                         default=(float("nan"), "-"))
+    (to, ko), (tj, kj) = pick("ours:"), pick("jax:")
+    print(f"{r['name']:26} {r['d']:>2} {xla:7.1f} {ko[5:]:>12} {to:5.1f} {to / xla:6.3f} "
+          f"{kj[4:]:>12} {tj:5.1f} {tj / xla:6.3f} {len(bad):>7}")
+
+
+if __name__ == "__main__":
+  app.run(main)
