@@ -3,7 +3,7 @@
   NCCL_NVLS_ENABLE=0 PYTHONPATH=. python experiments/ablate.py --names=llama70b_o_proj_m512
   # The GEMM core alone against XLA's dot at small M, for several tile shapes (issue 19):
   ... ablate.py --names=llama70b_o_proj_m512,llama70b_o_proj_m512_proxy8 \
-      --configs=table,t64x128,t128x64,t64x64 --ablations=fused,neither
+      --configs=table,t64x256_wm,t64x192_wm,t64x128 --ablations=fused,neither
 
 Per shape (seed or proxy8 names) and config (--configs: variant names of
 config_variants.variant_config applied to the config "fused" runs for the shape: the tuning

@@ -24,7 +24,8 @@ def tuned_config(*, m: int, k_shard: int, n: int, dtype, num_devices: int):
 def variant_config(base, name: str):
   """The config of a variant name, "_"-separated tokens applied to `base`: v1 (as is: the
   direct push), cN (N comm CTAs pushing), pN (N comm CTAs pulling), oN (N epilogue SMEM
-  slots), tMxN (warpgroup tile M x N: tile_m, tile_n), sK (K pipeline steps), f32 / bf16
+  slots), tMxN (warpgroup tile M x N: tile_m, tile_n), wm / wn (the two warpgroup tiles side by
+  side along M / N: config.wg_dimension), sK (K pipeline steps), f32 / bf16
   (partial dtype), ring (numerics mode "unfused_order"); then fitted to SMEM at D = 2
   (`config.fit_smem`). "table" is accepted as a no-op (the base is the table's config)."""
   from pallas_rs.kernel import config as config_lib  # pylint: disable=g-import-not-at-top
@@ -40,6 +41,8 @@ def variant_config(base, name: str):
       tile_m, tile_n = int(tile[1]), int(tile[2])
       cfg = dataclasses.replace(cfg, tile_m=tile_m, tile_n=tile_n,
                                 epi_tile_n=min(cfg.epi_tile_n, tile_n))
+    elif token in ("wm", "wn"):
+      cfg = dataclasses.replace(cfg, wg_dimension=config_lib.MatmulDimension[token[1].upper()])
     elif token[0] == "s" and token[1:].isdigit():
       cfg = dataclasses.replace(cfg, max_concurrent_steps=int(token[1:]))
     elif token[0] in "cpo" and token[1:].isdigit():

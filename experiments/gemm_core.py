@@ -35,10 +35,10 @@ _PROJ = flags.DEFINE_list("projections", list(_PROJECTIONS), "Seed projections."
 _MS = flags.DEFINE_list("ms", ["512", "2048"], "Global M of the seed shapes.")
 _DS = flags.DEFINE_list("ds", ["2", "8"], "Devices D: the GEMM is M x K/D x N.")
 _OURS = flags.DEFINE_list("ours", ["table", "t128x128_s4", "t64x128_s4", "t128x64_s4",
-                                   "t64x64_s4"], "pallas_rs config variants (D = 1).")
+                                   "t64x192_wm_s4", "t64x256_wm_s4", "t128x128_wm_s4"],
+                          "pallas_rs config variants (D = 1).")
 # tile_m x tile_n (per warpgroup), wg split dimension, cluster dimension (- = none).
-_JAX = flags.DEFINE_list("jax", ["128x128_N_-", "128x128_N_M", "128x128_N_N", "64x128_N_M",
-                                 "128x64_M_-", "128x64_M_N", "128x128_M_N"],
+_JAX = flags.DEFINE_list("jax", ["128x128_N_-", "128x128_N_M", "64x192_M_-", "64x192_M_N"],
                          "jax hopper_matmul_mgpu TuningConfigs tMxtN_wgdim_clusterdim.")
 _STEPS = flags.DEFINE_integer("steps", 4, "jax configs: pipeline steps (fit to SMEM down).")
 _ITERS = flags.DEFINE_integer("iterations", 50, "Timed iterations per variant.")

@@ -71,14 +71,14 @@ llama70b_o_proj_m512,llama70b_o_proj_m32768,mixtral8x22b_w2_m2048,llama70b_down_
       | quiet | tail -24 ;;
   smallm|smallm_proxy8)
     # Issue 19: the kernel without communication or owner sum ("neither") against XLA's dot,
-    # for the table's tiles and smaller ones, at M = 512 and 2048.
+    # for the table's tiles, the M split's 128 x 256 and 128 x 192 and 64 x 256, at M = 512 and 2048.
     suffix=""; [ "$1" = smallm_proxy8 ] && suffix=_proxy8
     names=""
     for p in llama70b_o_proj llama70b_down_proj mixtral8x22b_o_proj mixtral8x22b_w2; do
       for m in 512 2048; do names="$names${names:+,}${p}_m${m}${suffix}"; done
     done
     timeout 540 python3 experiments/ablate.py --names="$names" --iterations=50 \
-      --configs=table,t64x128,t128x64,t64x64 --ablations=fused,neither \
+      --configs=table,t64x256_wm,t64x192_wm,t64x128 --ablations=fused,neither \
       --out="$out/ablate_$1.json" 2>&1 | quiet | tail -75 ;;
   timeline)
     # Issue 19: where a small-M call's time goes (Mosaic GPU profiler traces under $out/traces).

@@ -117,3 +117,32 @@ def test_comm_ctas_bit_identical_to_direct_push(d, numerics, mode, ctas):
     ref = testing.stacked_reference(xs, ws)
     assert reference.max_rel_error(got, ref) <= 1.1 * reference.max_rel_error(
         _unfused_ring(xs, ws), ref)
+
+
+# The warpgroup tiles side by side along M (config.wg_dimension): 128 x 192 CTA tiles, at D = 1
+# and in loopback with the direct push and with pulling comm CTAs (which move each warpgroup's
+# 64 x 192 part), checked against the reference; the comm CTAs bit for bit against the push.
+@pytest.mark.parametrize("d", [1, 2, 4, 8])
+def test_warpgroups_split_along_m(d):
+  m, n, k_shard = 256 * d, 1536, 512
+  base = dataclasses.replace(
+      config_lib.default_config(m=m, n=n, k_shard=k_shard, num_devices=d), tile_m=64,
+      tile_n=192, wg_dimension=config_lib.MatmulDimension.M)
+  assert (base.cta_tile_m, base.cta_tile_n) == (128, 192)
+  xs, ws = testing.stacked_inputs(7 * d, d, m, k_shard, n)
+  ref = testing.stacked_reference(xs, ws)
+  if d == 1:
+    out = jax.jit(functools.partial(fused.local_matmul, config=base))(xs[0], ws[0])
+    want = jnp.dot(xs[0], ws[0], preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+    assert reference.max_rel_error(out, ref[0]) <= 1.1 * reference.max_rel_error(want, ref[0])
+    return
+  pull = config_lib.fit_smem(dataclasses.replace(base, comm_ctas=2, comm_mode="pull"), d)
+  outs = []
+  for cfg in (base, pull):
+    fused.check_supported(m=m, k_shard=k_shard, n=n, dtype=jnp.bfloat16, num_devices=d,
+                          config=cfg, loopback=True)
+    out = jax.jit(functools.partial(fused.loopback_matmul_reduce_scatter, config=cfg))(xs, ws)
+    assert reference.max_rel_error(out, ref) <= 1.1 * reference.max_rel_error(
+        _unfused_ring(xs, ws), ref)
+    outs.append(np.asarray(out))
+  np.testing.assert_array_equal(outs[0].view(np.uint16), outs[1].view(np.uint16))

@@ -22,9 +22,10 @@ M = config_lib.MatmulDimension
     # 6-8 s each in interpret mode on 2 CPU cores: the slow layer (tests/conftest.py).
     pytest.param(config_lib.Config(tile_m=128, tile_n=64, max_concurrent_steps=3, num_sms=3),
                  384, 192, 128, marks=pytest.mark.slow),
-    pytest.param(config_lib.Config(tile_m=64, tile_n=32, epi_tile_n=32, max_concurrent_steps=2,
+    # Warpgroups stacked along M (128 x 64 CTA tiles), snake order along M, 9 tiles on 5 CTAs.
+    pytest.param(config_lib.Config(tile_m=64, tile_n=64, wg_dimension=M.M, max_concurrent_steps=2,
                                    grid_minor_dim=M.M, grid_tile_width=2, num_sms=5),
-                 320, 64, 192, marks=pytest.mark.slow),
+                 384, 64, 192, marks=pytest.mark.slow),
 ])
 def test_local_matmul_interpret(cfg, m, k, n):
   x, w = testing.generate(m + n, m, k, n)

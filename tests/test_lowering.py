@@ -91,7 +91,7 @@ def test_smem_estimate_agrees_with_mosaic(monkeypatch):
 
 
 @pytest.mark.parametrize("m,n,k,match", [
-    (8 * 96, 1024, 8 * 64, "not a multiple of tile_m"),
+    (8 * 96, 1024, 8 * 64, "not a multiple of the CTA tile.s 128 rows .tile_m=128"),
     (8 * 128, 1024, 8 * 96, "k_shard=96 is not a multiple of tile_k=64"),
     (8 * 128, 1000, 8 * 64, "n=1000 is not a multiple"),
 ])
@@ -325,3 +325,22 @@ def test_pull_over_nvlink_needs_remote_tma_loads():
   else:
     with pytest.raises(NotImplementedError, match="comm_mode='pull'"):
       _export_shard_map(1024, 1024, 1024, 2, config=cfg)
+
+
+@pytest.mark.parametrize("d,comm", [(1, {}), (2, {}), (2, dict(comm_ctas=2, comm_mode="pull")),
+                                    (8, dict(comm_ctas=4, comm_mode="push"))])
+def test_warpgroups_along_m_lower(d, comm):
+  # 128 x 192 CTA tiles (config.wg_dimension=M): the x block is split between the warpgroups,
+  # w is not; the comm CTAs move each warpgroup's 64 x 192 part.
+  cfg = config_lib.Config(tile_m=64, tile_n=192, wg_dimension=config_lib.MatmulDimension.M,
+                          **comm)
+  assert (cfg.cta_tile_m, cfg.cta_tile_n) == (128, 192)
+  if d == 1:
+    x, w = (jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((512, 1024), (1024, 6144)))
+    jax.export.export(jax.jit(functools.partial(fused.local_matmul, config=cfg)),
+                      platforms=["cuda"])(x, w)
+    return
+  cfg = config_lib.fit_smem(config_lib.with_numerics(cfg, config_lib.default_numerics(d), d), d)
+  xs, ws = (jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((d, 128 * d, 512), (d, 512, 768)))
+  jax.export.export(jax.jit(functools.partial(fused.loopback_matmul_reduce_scatter, config=cfg)),
+                    platforms=["cuda"])(xs, ws)

@@ -207,7 +207,9 @@ def test_candidates_vary_one_field_each_first():
             if getattr(c, f.name) != getattr(base, f.name)]
     assert len(diff) == 1, diff
     changed.append(diff[0])
-  assert changed == ["tile_m", "tile_n", "grid_minor_dim", "grid_tile_width",
+  # The default's 128 x 256 tile stacks 64 x 256 warpgroup tiles along M: no other tile_m or
+  # split of it is one field away in the search space, so the tile varies through tile_n.
+  assert changed == ["tile_n", "grid_minor_dim", "grid_tile_width", "max_concurrent_steps",
                      "max_concurrent_steps"]
   # Deterministic and uncapped is the whole (deduplicated) search space.
   assert candidates.candidate_configs(m=8192, n=N, k_shard=K_SHARD, num_devices=1,
@@ -560,6 +562,53 @@ def test_comm_variants_keep_the_tiles_and_vary_only_the_comm_path():
   # A shape the tiles cannot take has no variants.
   assert candidates.comm_variants(base, m=8192, n=8192 + 128, k_shard=4096,
                                   num_devices=2) == []
+
+
+def test_tile_variants_keep_the_comm_path_and_fill_the_sms():
+  base = config_lib.with_numerics(
+      dataclasses.replace(config_lib.Config(tile_m=128, tile_n=128), comm_ctas=2,
+                          comm_mode="pull"), "unfused_order", 2)
+  # Mixtral w2 M = 512 at D = 2: 96 CTA tiles of 128 x 256, 128 of 128 x 192.
+  got = candidates.tile_variants(base, m=512, n=6144, k_shard=8192, num_devices=2)
+  assert got[0] == base
+  shapes_ = [(c.cta_tile_m, c.cta_tile_n, c.wg_dimension.name) for c in got]
+  assert (128, 192, "M") in shapes_ and (128, 256, "M") in shapes_ and (64, 256, "N") in shapes_
+  assert len(set(got)) == len(got)
+  for c in got:
+    assert (c.comm_mode, c.comm_ctas, c.numerics) == ("pull", 2, "unfused_order")
+    c.check_shape(m=512, n=6144, k_shard=8192, num_devices=2)
+  # A 64-row chunk (D = 8, M = 512) takes no tile of 128 rows.
+  got = candidates.tile_variants(config_lib.Config(tile_m=64), m=512, n=8192, k_shard=1024,
+                                 num_devices=8)
+  assert got and all(c.cta_tile_m == 64 for c in got)
+
+
+def test_default_tiles_follow_the_wave_model():
+  m_dim = config_lib.MatmulDimension.M
+  cfg = lambda m, n, d: config_lib.default_config(m=m, n=n, k_shard=1024, num_devices=d)
+  # 128 x 256 (warpgroups along M) where it fills the SMs; 128 x 192 where 128 x 256 would
+  # leave a quarter idle (Mixtral M = 512: 96 tiles); 64-row tiles for a 64-row chunk.
+  assert (cfg(512, 8192, 2).cta_tile_m, cfg(512, 8192, 2).cta_tile_n) == (128, 256)
+  assert cfg(512, 8192, 2).wg_dimension == m_dim
+  assert (cfg(512, 6144, 2).cta_tile_m, cfg(512, 6144, 2).cta_tile_n) == (128, 192)
+  assert (cfg(2048, 6144, 2).cta_tile_m, cfg(2048, 6144, 2).cta_tile_n) == (128, 256)
+  assert cfg(512, 8192, 8).cta_tile_m == 64
+  # n that no 256- or 192-column tile divides still gets a valid config.
+  c = cfg(512, 320, 2)
+  c.check_shape(m=512, n=320, k_shard=1024, num_devices=2)
+
+
+def test_config_json_round_trip_names_the_dimensions():
+  cfg = config_lib.Config(tile_m=64, tile_n=192, wg_dimension=config_lib.MatmulDimension.M,
+                          grid_minor_dim=config_lib.MatmulDimension.M)
+  obj = json.loads(json.dumps(tuning.config_to_json(cfg)))
+  assert (obj["wg_dimension"], obj["grid_minor_dim"]) == ("M", "M")
+  assert tuning.config_from_json(obj) == cfg
+  # Entries written before the field existed read as the N split.
+  del obj["wg_dimension"]
+  assert tuning.config_from_json(obj).wg_dimension == config_lib.MatmulDimension.N
+  with pytest.raises(ValueError, match="wg_dimension"):
+    tuning.config_from_json(dict(obj, wg_dimension="K"))
 
 
 def test_autotune_keeps_the_incumbent_within_the_margin():

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from pallas_rs.kernel import comm as comm_lib
 from pallas_rs.kernel import schedule
 from pallas_rs.kernel.config import Config
+from pallas_rs.kernel.config import MatmulDimension
 
 _NUM_COMPUTE_WGS = schedule.NUM_COMPUTE_WGS
 
@@ -105,13 +106,19 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
   cta = lax.axis_index("cluster_grid")
   num_ctas = lax.axis_size("cluster_grid")
 
+  wg_m = config.wg_dimension == MatmulDimension.M
+
   def tile_slices(tile, wg_idx):
-    """(n_idx, slices): the tile's column block and the rows and columns of warpgroup
-    `wg_idx`'s part of it, within a [chunk, n] array."""
+    """((m_idx, n_idx), slices): the tile's row and column block and the rows and columns of
+    warpgroup `wg_idx`'s part of it, within a [chunk, n] array."""
     m_idx, n_idx = plgpu.planar_snake(tile, (m_iters, n_iters), config.grid_minor_dim,
                                       config.grid_tile_width)
-    return n_idx, (pl.ds(m_idx * cta_tile_m, tile_m),
-                   pl.ds(n_idx * cta_tile_n + wg_idx * tile_n, tile_n))
+    row0, col0 = m_idx * cta_tile_m, n_idx * cta_tile_n
+    if wg_m:
+      row0 += wg_idx * tile_m
+    else:
+      col0 += wg_idx * tile_n
+    return (m_idx, n_idx), (pl.ds(row0, tile_m), pl.ds(col0, tile_n))
 
   def get_pipeline(pipeline_body, compute_context):
     return plgpu.emit_pipeline_warp_specialized(
@@ -236,10 +243,11 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
         step, tile = schedule.step_and_tile(lin_idx, tiles)
         offset = schedule.dst_offset(step, d)
         dst = lax.rem(rank + offset, d)
-        n_idx, slices = tile_slices(tile, wg_idx)
-        row0 = slices[0].start
+        (m_idx, n_idx), slices = tile_slices(tile, wg_idx)
         cta_n_slice = pl.ds(n_idx * cta_tile_n, cta_tile_n)
-        wg_n_slice = pl.ds(wg_idx * tile_n, tile_n)
+        # This warpgroup's part of the CTA's x and w blocks.
+        wg_x = pl.ds(wg_idx * tile_m, tile_m) if wg_m else slice(None)
+        wg_w = slice(None) if wg_m else pl.ds(wg_idx * tile_n, tile_n)
 
         def compute_context(eval_pipeline):
           @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
@@ -292,7 +300,7 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
                       announce(o - 1, tile)
 
         def mma_body(_, x_smem, w_smem, acc_ref):
-          plgpu.wgmma(acc_ref, x_smem, w_smem.at[:, wg_n_slice])
+          plgpu.wgmma(acc_ref, x_smem.at[wg_x], w_smem.at[:, wg_w])
           plgpu.wgmma_wait(0)
           return acc_ref
 
@@ -302,7 +310,7 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
             compute_context(lambda acc_ref: None)  # The epilogue of a tile of zeros.
         else:
           get_pipeline(mma_body, compute_context)(
-              x_gmem.at[pl.ds(dst * chunk + row0, cta_tile_m), :],
+              x_gmem.at[pl.ds(dst * chunk + m_idx * cta_tile_m, cta_tile_m), :],
               w_gmem.at[:, cta_n_slice],
               allocations=pipeline_allocs,
           )

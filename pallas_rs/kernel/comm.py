@@ -38,7 +38,7 @@ class CommContext:
   where: schedule.SemLayout
   tiles: int  # output tiles per row chunk
   part_dtype: Any
-  tile_slices: Callable  # (tile, wg) -> (n_idx, (rows, cols)) within a [chunk, n] array
+  tile_slices: Callable  # (tile, wg) -> ((m_idx, n_idx), (rows, cols)) in a [chunk, n] array
   recv_gmem: Any  # the receive slots as the transport addresses peers' (unbound)
   recv_local: Any  # this rank's receive slots [D - 1, chunk, n]
   stage_gmem: Any

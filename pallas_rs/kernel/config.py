@@ -39,12 +39,18 @@ NUMERICS_MODES = {
 class Config:
   """Tiling of the fused matmul + reduce-scatter kernel.
 
-  The two compute warpgroups split a CTA tile along N (`wg_dimension=N` in jax's Hopper matmul),
-  so a CTA tile is `tile_m x 2*tile_n`.
+  Each of the two compute warpgroups computes a `tile_m x tile_n` tile; they sit side by side
+  along `wg_dimension` (as in jax's Hopper matmul), so a CTA tile is `tile_m x 2*tile_n` (N,
+  the default) or `2*tile_m x tile_n` (M).
 
   Attributes:
-    tile_m: rows of a CTA tile; the per-device chunk `m // num_devices` must be a multiple.
-    tile_n: columns per compute warpgroup; `n` must be a multiple of `2 * tile_n`.
+    tile_m: rows of a warpgroup tile; the per-device chunk `m // num_devices` must be a
+      multiple of the CTA tile's rows (`cta_tile_m`).
+    tile_n: columns of a warpgroup tile; `n` must be a multiple of the CTA tile's columns.
+    wg_dimension: along which dimension the two warpgroup tiles sit (MatmulDimension). M
+      makes CTA tiles such as 128 x 192 (tile_m=64, tile_n=192), which fill 128 of 132 SMs
+      where the N split's 128 x 256 leaves a quarter idle (Mixtral w2 M = 512 at D = 2:
+      96 tiles; BUILD_NOTES 2026-12-01, one H200).
     tile_k: contraction block; `k_shard` must be a multiple.
     max_concurrent_steps: TMA pipeline depth (SMEM slots for x and w blocks).
     epi_tile_m: rows of an epilogue sub-tile (TMA store/load box).
@@ -85,6 +91,7 @@ class Config:
   recv_stages: int = 2
   grid_minor_dim: MatmulDimension = MatmulDimension.N
   grid_tile_width: int = 1
+  wg_dimension: MatmulDimension = MatmulDimension.N
   num_sms: int = DEFAULT_NUM_SMS
   eager_signal_steps: int = 0
   comm_ctas: int = 0
@@ -132,14 +139,15 @@ class Config:
       raise ValueError(f"owner_sum='bf16_ring' adds bf16 partials; partial_dtype="
                        f"{self.partial_dtype!r} must be 'bfloat16'")
     object.__setattr__(self, "grid_minor_dim", MatmulDimension(self.grid_minor_dim))
+    object.__setattr__(self, "wg_dimension", MatmulDimension(self.wg_dimension))
 
   @property
   def cta_tile_m(self) -> int:
-    return self.tile_m
+    return self.tile_m * (2 if self.wg_dimension == MatmulDimension.M else 1)
 
   @property
   def cta_tile_n(self) -> int:
-    return 2 * self.tile_n
+    return self.tile_n * (1 if self.wg_dimension == MatmulDimension.M else 2)
 
   @property
   def num_out_slots(self) -> int:
@@ -204,12 +212,20 @@ class Config:
     if chunk % self.cta_tile_m:
       raise NotImplementedError(
           f"m // num_devices = {m} // {num_devices} = {chunk} is not a multiple of "
-          f"tile_m={self.cta_tile_m}")
+          f"the CTA tile's {self.cta_tile_m} rows (tile_m={self.tile_m}, "
+          f"wg_dimension={self.wg_dimension.name})")
     if n % self.cta_tile_n:
       raise NotImplementedError(
-          f"{n=} is not a multiple of the CTA tile 2*tile_n={self.cta_tile_n}")
+          f"{n=} is not a multiple of the CTA tile's {self.cta_tile_n} columns "
+          f"(tile_n={self.tile_n}, wg_dimension={self.wg_dimension.name})")
     if k_shard % self.tile_k:
       raise NotImplementedError(f"{k_shard=} is not a multiple of tile_k={self.tile_k}")
+    if self.wg_dimension == MatmulDimension.N and self.tile_n % 64:
+      # The warpgroups split w's SMEM block at column tile_n, which must fall on its 128-byte
+      # swizzle's 64-column tiles (Mosaic GPU refuses the slice otherwise).
+      raise NotImplementedError(
+          f"tile_n={self.tile_n} with the warpgroups side by side along N must be a multiple "
+          "of 64; wg_dimension=M takes it")
     if not self.fits_smem(num_devices):
       raise NotImplementedError(
           f"config needs {self.smem_bytes(num_devices)} B (compute CTA) and "
@@ -283,6 +299,34 @@ def _largest_steps(base: Config, num_devices: int, upper: int = 6) -> Config:
   return dataclasses.replace(base, max_concurrent_steps=2)
 
 
+# Default CTA tiles: (tile_m, tile_n, wg_dimension) -> time per unit of tile area relative to
+# the best, measured on one H200 over the 16 small-M per-GPU GEMMs of the seed
+# (experiments/gemm_core.py, BUILD_NOTES 2026-12-01): warpgroups stacked along M (64 x 256 each)
+# beat the same 128 x 256 CTA tile split along N by 0-2.5% on 13 of 16; 128 x 192 tiles cost
+# ~2% more per area but fill the SMs where 128 x 256 ones leave them idle (Mixtral M = 512: 96
+# tiles on 132 SMs; 0.79-0.90x XLA's dot instead of 0.98-1.08x); 128 x 128 and 64 x 256 CTA
+# tiles cost ~9-10% more, 64 x 128 ones 46-65% more (128 x 64: not measured, a guess).
+_DEFAULT_TILES = {(64, 256, MatmulDimension.M): 1.0, (64, 192, MatmulDimension.M): 1.02,
+                  (128, 128, MatmulDimension.N): 1.01, (128, 64, MatmulDimension.N): 1.09,
+                  (64, 128, MatmulDimension.M): 1.09, (64, 128, MatmulDimension.N): 1.1,
+                  (64, 64, MatmulDimension.N): 1.55, (64, 64, MatmulDimension.M): 1.6}
+
+
+def _default_tiles(chunk: int, n: int, num_devices: int, num_sms: int):
+  """The CTA tile of least modelled time: waves (the D chunks' tiles over num_sms CTAs, rounded
+  up) x tile area x its relative cost (_DEFAULT_TILES); ties go to the earlier tile."""
+  best = None
+  for (tile_m, tile_n, wg), slowdown in _DEFAULT_TILES.items():
+    cta_m, cta_n = (2 * tile_m, tile_n) if wg == MatmulDimension.M else (tile_m, 2 * tile_n)
+    if chunk % cta_m or n % cta_n:
+      continue
+    tiles = num_devices * (chunk // cta_m) * (n // cta_n)
+    cost = -(-tiles // num_sms) * cta_m * cta_n * slowdown
+    if best is None or cost < best[0]:
+      best = (cost, (tile_m, tile_n, wg))
+  return best[1] if best else None
+
+
 def default_config(*, m: int, n: int, k_shard: int, num_devices: int,
                    num_sms: int = DEFAULT_NUM_SMS) -> Config:
   """A valid config for every shape the kernel supports (heuristic, not tuned).
@@ -298,20 +342,31 @@ def default_config(*, m: int, n: int, k_shard: int, num_devices: int,
   if chunk % 64:
     raise NotImplementedError(
         f"m // num_devices = {chunk} is not a multiple of 64 (tile_m); no padding {where}")
-  tile_n = next((t for t in (128, 64, 32) if n % (2 * t) == 0), None)
-  if tile_n is None:
-    raise NotImplementedError(f"{n=} is not a multiple of 64 (2 * tile_n); no padding {where}")
+  if n % 64:
+    raise NotImplementedError(f"{n=} is not a multiple of 64 (the narrowest CTA tile); no padding {where}")
   tile_k = 64
   if k_shard % tile_k:
     raise NotImplementedError(f"{k_shard=} is not a multiple of 64 (tile_k); no padding {where}")
-  tile_m = 128 if chunk % 128 == 0 else 64
+  tiles = _default_tiles(chunk, n, num_devices, num_sms)
+  if tiles is None:
+    raise NotImplementedError(
+        f"{n=} is not a multiple of 128 and m // num_devices = {chunk} of 128: no CTA tile "
+        f"fits (a 64-row tile needs 128 columns); no padding {where}")
+  tile_m, tile_n, wg = tiles
   partial_dtype, owner_sum = NUMERICS_MODES[default_numerics(num_devices)]
   cfg = Config(tile_m=tile_m, tile_n=tile_n, tile_k=tile_k, epi_tile_m=64,
-               epi_tile_n=_epi_tile_n(tile_n, partial_dtype), num_sms=num_sms,
+               epi_tile_n=_epi_tile_n(tile_n, partial_dtype), wg_dimension=wg, num_sms=num_sms,
                partial_dtype=partial_dtype, owner_sum=owner_sum)
   cfg = _largest_steps(cfg, num_devices)
   cfg.check_shape(m=m, n=n, k_shard=k_shard, num_devices=num_devices)
   return cfg
+
+
+# Warpgroup tiles (tile_m, tile_n, wg_dimension) of search_space: the N split's 64/128 x 64/128
+# and the M split's 128 x 128/192/256 and 256 x 128 CTA tiles.
+_SEARCH_TILES = tuple((tm, tn, MatmulDimension.N) for tm in (64, 128) for tn in (64, 128)) + (
+    (64, 128, MatmulDimension.M), (64, 192, MatmulDimension.M), (64, 256, MatmulDimension.M),
+    (128, 128, MatmulDimension.M))
 
 
 def search_space(*, m: int, n: int, k_shard: int, num_devices: int,
@@ -322,14 +377,14 @@ def search_space(*, m: int, n: int, k_shard: int, num_devices: int,
   tried around a tuned config by candidates.comm_variants (autotune.py --candidates=comm)."""
   # Fixed per D by the error rule (default_numerics), not tuned.
   partial_dtype, owner_sum = NUMERICS_MODES[default_numerics(num_devices)]
-  for tile_m, tile_n, steps, recv_stages, minor, width, eager, comm, out_slots in (
-      itertools.product((64, 128), (64, 128), (2, 3, 4, 5), (1, 2, 4),
+  for (tile_m, tile_n, wg), steps, recv_stages, minor, width, eager, comm, out_slots in (
+      itertools.product(_SEARCH_TILES, (2, 3, 4, 5), (1, 2, 4),
                         (MatmulDimension.N, MatmulDimension.M), (1, 4), (0, 1),
                         (0, 1, 2, 4, 8), (0, 8))):
     if num_devices == 1 and (recv_stages != 1 or eager or comm or out_slots):
       continue
     cfg = Config(tile_m=tile_m, tile_n=tile_n, tile_k=64, max_concurrent_steps=steps,
-                 epi_tile_m=64, epi_tile_n=_epi_tile_n(tile_n, partial_dtype),
+                 epi_tile_m=64, epi_tile_n=_epi_tile_n(tile_n, partial_dtype), wg_dimension=wg,
                  recv_stages=recv_stages, grid_minor_dim=minor, grid_tile_width=width,
                  num_sms=num_sms, eager_signal_steps=eager, comm_ctas=comm,
                  out_slots=out_slots, partial_dtype=partial_dtype, owner_sum=owner_sum)

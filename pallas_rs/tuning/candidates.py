@@ -2,7 +2,8 @@
 
 `candidate_configs` orders `config.search_space` for diversity around `config.default_config`;
 `comm_variants` are one config's ways of moving the partials (direct push, comm CTAs pulling
-or pushing); `adapt_config` carries a config measured at one D to another (the loopback entries).
+or pushing); `tile_variants` its CTA tile shapes (small M: how many SMs one wave fills, and
+how many waves the transfer can overlap); `adapt_config` carries a config measured at one D to another (the loopback entries).
 """
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ Config = config_lib.Config
 
 # Fields varied one at a time around the default, in this priority order; each
 # value list is ordered nearest-first.
-_VARIANT_FIELDS = ("comm_ctas", "out_slots", "tile_m", "tile_n", "grid_minor_dim", "grid_tile_width",
-                   "max_concurrent_steps", "recv_stages", "eager_signal_steps")
+_VARIANT_FIELDS = ("comm_ctas", "out_slots", "tile_m", "tile_n", "wg_dimension", "grid_minor_dim",
+                   "grid_tile_width", "max_concurrent_steps", "recv_stages", "eager_signal_steps")
 # Fields that change nothing at D = 1 (no receive buffers, no signals).
 _MULTI_DEVICE_FIELDS = ("comm_ctas", "out_slots", "recv_stages", "eager_signal_steps")
 
@@ -27,7 +28,7 @@ def candidate_configs(*, m: int, n: int, k_shard: int, num_devices: int,
   """`default_config` first, then `config.search_space` ordered for diversity.
 
   Deterministic. After the default come configs differing from it in one field
-  (tile_m, then tile_n, grid_minor_dim, grid_tile_width, max_concurrent_steps,
+  (tile_m, then tile_n, wg_dimension, grid_minor_dim, grid_tile_width, max_concurrent_steps,
   recv_stages, eager_signal_steps: one variant of each field before a second of any), then two
   fields, and so on; so the first few cover every axis once. Every config is
   valid for the shape and within the SMEM limit. Empty if the kernel cannot
@@ -60,7 +61,8 @@ def candidate_configs(*, m: int, n: int, k_shard: int, num_devices: int,
     values = sorted({int(getattr(c, f)) for c in space} | {int(getattr(default, f))},
                     key=lambda v, f=f: (v != int(getattr(default, f)),
                                         distance(dataclasses.replace(default, **{f: v}), f)
-                                        if f != "grid_minor_dim" else 0, v))
+                                        if f not in ("grid_minor_dim", "wg_dimension") else 0,
+                                        v))
     rank[f] = {v: i for i, v in enumerate(values)}
 
   def sort_key(cfg):
@@ -118,6 +120,34 @@ def comm_variants(base: Config, *, m: int, n: int, k_shard: int, num_devices: in
       continue
     cfg = config_lib.fit_smem(dataclasses.replace(base, comm_mode=mode, comm_ctas=ctas),
                               num_devices)
+    try:
+      cfg.check_shape(m=m, n=n, k_shard=k_shard, num_devices=num_devices)
+    except NotImplementedError:
+      continue
+    if cfg not in out:
+      out.append(cfg)
+  return out
+
+
+# (tile_m, tile_n, wg_dimension) tried by tile_variants: CTA tiles 128 x 256, 64 x 256, 128 x 128
+# (warpgroups side by side along N), 128 x 192, 128 x 256 and 256 x 128 (along M). At small M
+# the tile count decides how full one wave is (Mixtral w2 M = 512 at D = 2: 96 tiles of
+# 128 x 256 on 132 SMs, 128 of 128 x 192: 79 vs 65 us on one H200) and whether there is a
+# second wave for the transfer to hide under.
+TILE_VARIANTS = ((128, 128, "N"), (64, 128, "N"), (128, 64, "N"), (64, 192, "M"),
+                 (64, 256, "M"), (128, 128, "M"))
+
+
+def tile_variants(base: Config, *, m: int, n: int, k_shard: int,
+                  num_devices: int) -> list[Config]:
+  """`base` (incumbent first; its comm path, pipeline and numerics kept) with each CTA tile of
+  TILE_VARIANTS, fitted to SMEM; those the kernel cannot take for the shape left out."""
+  out = [base]
+  for tile_m, tile_n, wg in TILE_VARIANTS:
+    cfg = dataclasses.replace(base, tile_m=tile_m, tile_n=tile_n,
+                              wg_dimension=config_lib.MatmulDimension[wg],
+                              epi_tile_n=min(base.epi_tile_n, tile_n))
+    cfg = config_lib.fit_smem(cfg, num_devices)
     try:
       cfg.check_shape(m=m, n=n, k_shard=k_shard, num_devices=num_devices)
     except NotImplementedError:

@@ -81,10 +81,14 @@ def _config_codec(op: str):
 # ---------------------------------------------------------------------------
 
 
+_DIMENSION_FIELDS = ("grid_minor_dim", "wg_dimension")
+
+
 def config_to_json(cfg) -> dict[str, Any]:
-  """All Config fields; grid_minor_dim by name ("M" or "N")."""
+  """All Config fields; grid_minor_dim and wg_dimension by name ("M" or "N")."""
   out = dataclasses.asdict(cfg)
-  out["grid_minor_dim"] = cfg.grid_minor_dim.name
+  for name in _DIMENSION_FIELDS:
+    out[name] = getattr(cfg, name).name
   return out
 
 
@@ -100,7 +104,7 @@ def config_from_json(obj: Mapping[str, Any]):
     raise ValueError(f"unknown config fields {unknown}; known: {list(config_fields)}")
   kw = dict(obj)
   for name, value in kw.items():
-    if name == "grid_minor_dim":
+    if name in _DIMENSION_FIELDS:
       continue
     if name in ("partial_dtype", "owner_sum", "comm_mode"):
       if not isinstance(value, str):
@@ -108,13 +112,15 @@ def config_from_json(obj: Mapping[str, Any]):
       continue
     if not isinstance(value, int) or isinstance(value, bool):
       raise ValueError(f"config field {name}={value!r} must be an int")
-  if "grid_minor_dim" in kw:
-    dim = kw["grid_minor_dim"]
+  for name in _DIMENSION_FIELDS:
+    if name not in kw:
+      continue
+    dim = kw[name]
     try:
-      kw["grid_minor_dim"] = (config_lib.MatmulDimension[dim] if isinstance(dim, str)
-                              else config_lib.MatmulDimension(dim))
+      kw[name] = (config_lib.MatmulDimension[dim] if isinstance(dim, str)
+                  else config_lib.MatmulDimension(dim))
     except (KeyError, ValueError):
-      raise ValueError(f"grid_minor_dim={dim!r} must be 'M' or 'N'") from None
+      raise ValueError(f"{name}={dim!r} must be 'M' or 'N'") from None
   return config_lib.Config(**kw)  # __post_init__ raises ValueError naming the field.
 
 
