@@ -114,7 +114,9 @@ def _merge_into_table(path: str, entries: list[dict]) -> None:
 def _short(cfg) -> str:
   if cfg is None:
     return "-"
-  return (f"m{cfg.tile_m}n{cfg.tile_n}s{cfg.max_concurrent_steps}"
+  # The CTA tile (warpgroups side by side along N, or "/M" along M), pipeline, grid order.
+  return (f"m{cfg.tile_m}n{cfg.tile_n}{'/M' if cfg.wg_dimension.name == 'M' else ''}"
+          f"s{cfg.max_concurrent_steps}"
           f"{cfg.grid_minor_dim.name}w{cfg.grid_tile_width}r{cfg.recv_stages}"
           + (f"e{cfg.eager_signal_steps}" if cfg.eager_signal_steps else "")
           + (f"{'p' if cfg.comm_mode == 'pull' else 'c'}{cfg.comm_ctas}" if cfg.comm_ctas

@@ -13,6 +13,7 @@
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh smallm   # M = 512/2048: GEMM core vs XLA's dot per tile shape
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh smallm_proxy8  # the same at D = 8's k_shard
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh timeline # M = 512/2048: per-call phase timeline (profiler)
+#   OUT=/tmp/mg bash experiments/run_multi_gpu.sh tiles    # M = 512/2048 (seed, proxy8): retune the CTA tile
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_ALLOCATOR=default
 out=${OUT:-/tmp/mg}; mkdir -p "$out"
@@ -80,12 +81,24 @@ llama70b_o_proj_m512,llama70b_o_proj_m32768,mixtral8x22b_w2_m2048,llama70b_down_
     timeout 540 python3 experiments/ablate.py --names="$names" --iterations=50 \
       --configs=table,t64x256_wm,t64x192_wm,t64x128 --ablations=fused,neither \
       --out="$out/ablate_$1.json" 2>&1 | quiet | tail -75 ;;
+  tiles)
+    # Issue 19: each M = 512 / 2048 shape's incumbent config with every CTA tile shape of
+    # candidates.tile_variants (the M split's 128 x 256 / 128 x 192 / 128 x 128 among them),
+    # into a copy of the tuning table; a challenger needs a 2% win (--margin).
+    cp pallas_rs/tuning/data/tuning_table.json "$out/tuning_table.json"
+    names=""
+    for p in llama70b_o_proj llama70b_down_proj mixtral8x22b_o_proj mixtral8x22b_w2; do
+      for m in 512 2048; do names="$names${names:+,}${p}_m${m},${p}_m${m}_proxy8"; done
+    done
+    timeout 560 python3 experiments/autotune.py --mode=multi_gpu --candidates=tiles --tags= \
+      --names="$names" --iterations=20 --margin=0.02 --table="$out/tuning_table.json" \
+      --out="$out/autotune_tiles.json" 2>&1 | quiet | tail -24 ;;
   timeline)
     # Issue 19: where a small-M call's time goes (Mosaic GPU profiler traces under $out/traces).
     timeout 400 python3 experiments/timeline.py --configs=table --trace_dir="$out/traces" \
       --names=llama70b_o_proj_m512,llama70b_down_proj_m512,mixtral8x22b_o_proj_m512,\
 mixtral8x22b_w2_m512,llama70b_o_proj_m2048,mixtral8x22b_o_proj_m2048 \
       --out="$out/timeline.json" 2>&1 | quiet | tail -20 ;;
-  *) echo "usage: $0 check|sweep|proxy8|ablate|probe|numerics|model|roofline|mesh2d|smallm|smallm_proxy8|timeline" >&2
+  *) echo "usage: $0 check|sweep|proxy8|ablate|probe|numerics|model|roofline|mesh2d|smallm|smallm_proxy8|timeline|tiles" >&2
      exit 2 ;;
 esac

@@ -34,7 +34,7 @@ Unfused path (`unfused_reduce_scatter`), what XLA + NCCL compute for
   baseline run (experiments/numerics.py --what=baseline) tells which one XLA really runs.
 
 Fused path (`fused_owner_sum`), what kernel.py's `reduce_tile` computes on rank r, in one of
-the numerics modes (`NUMERICS_MODES`, mirrored from config.NUMERICS_MODES: name ->
+the numerics modes (`NUMERICS_MODES`, config.NUMERICS_MODES: name ->
 (Config.partial_dtype, Config.owner_sum)):
   owner_sum="fp32" ("fp32_partials", "bf16_partials"): acc = own fp32 partial P_r (never
   rounded); for slot j = 0 .. D-2 (source (r - j - 1) % D, schedule.source_of_slot):
@@ -85,6 +85,7 @@ import ml_dtypes
 import numpy as np
 
 from pallas_rs import reference
+from pallas_rs.kernel import config as config_lib
 from pallas_rs.kernel import schedule
 # Re-exported: the input families (defined beside the project's other input generators) and the
 # per-rank view of `family_inputs`.
@@ -93,16 +94,10 @@ from pallas_rs.bench.testing import (CHANNEL_LOG_SIGMA, FAMILIES, NUM_OUTLIER_CH
                                split_inputs)
 
 RULE_BOUND = 1.1
-# The values of Config.partial_dtype, Config.owner_sum and config.NUMERICS_MODES
-# (pallas_rs/kernel/config.py; kept here so that importing this module does not import the Mosaic GPU
-# chain; tests/test_numerics.py checks they agree).
-PARTIAL_DTYPES = ("bfloat16", "float32")
-OWNER_SUMS = ("fp32", "bf16_ring")
-NUMERICS_MODES = {
-    "fp32_partials": ("float32", "fp32"),
-    "bf16_partials": ("bfloat16", "fp32"),
-    "unfused_order": ("bfloat16", "bf16_ring"),
-}
+# The kernel's numerics modes, one definition (pallas_rs/kernel/config.py).
+PARTIAL_DTYPES = config_lib.PARTIAL_DTYPES
+OWNER_SUMS = config_lib.OWNER_SUMS
+NUMERICS_MODES = config_lib.NUMERICS_MODES
 MODE_NAMES = tuple(NUMERICS_MODES)
 # The modes whose rule holds by construction (module doc: a bound of 1 + ~1e-3); the others are
 # allowed at a D only where the measured max ratio over >= MIN_RULE_INPUTS inputs of each of

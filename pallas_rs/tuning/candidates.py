@@ -130,12 +130,12 @@ def comm_variants(base: Config, *, m: int, n: int, k_shard: int, num_devices: in
 
 
 # (tile_m, tile_n, wg_dimension) tried by tile_variants: CTA tiles 128 x 256, 64 x 256, 128 x 128
-# (warpgroups side by side along N), 128 x 192, 128 x 256 and 256 x 128 (along M). At small M
-# the tile count decides how full one wave is (Mixtral w2 M = 512 at D = 2: 96 tiles of
-# 128 x 256 on 132 SMs, 128 of 128 x 192: 79 vs 65 us on one H200) and whether there is a
-# second wave for the transfer to hide under.
-TILE_VARIANTS = ((128, 128, "N"), (64, 128, "N"), (128, 64, "N"), (64, 192, "M"),
-                 (64, 256, "M"), (128, 128, "M"))
+# (warpgroups side by side along N), 128 x 256, 128 x 192, 128 x 128 and 256 x 128 (along M).
+# At small M the tile count decides how full one wave is (Mixtral w2 M = 512 at D = 2: 96 tiles
+# of 128 x 256 on 132 SMs, 128 of 128 x 192: 79 vs 66 us on one H200) and whether there is a
+# second wave for the transfer to hide under (128 x 128: two waves where 128 x 256 makes one).
+TILE_VARIANTS = ((128, 128, "N"), (64, 128, "N"), (128, 64, "N"), (64, 256, "M"),
+                 (64, 192, "M"), (64, 128, "M"), (128, 128, "M"))
 
 
 def tile_variants(base: Config, *, m: int, n: int, k_shard: int,
