@@ -114,12 +114,18 @@ def comm_variants(base: Config, *, m: int, n: int, k_shard: int, num_devices: in
   COMM_VARIANTS (comm_ctas 0 is v1's direct push), fitted to SMEM; those the kernel cannot
   take for the shape left out; `pull=False` leaves the pulling ones out (jax < 0.11.2).
   `base` itself (the incumbent) comes first when the kernel takes it."""
+  return _fitting([dataclasses.replace(base, comm_mode=mode, comm_ctas=ctas)
+                   for mode, ctas in ((base.comm_mode, base.comm_ctas), *COMM_VARIANTS)
+                   if pull or mode != "pull"],
+                  m=m, n=n, k_shard=k_shard, num_devices=num_devices)
+
+
+def _fitting(configs, *, m: int, n: int, k_shard: int, num_devices: int) -> list[Config]:
+  """`configs` fitted to SMEM, without those the kernel cannot take for the shape and without
+  repeats, in order."""
   out = []
-  for mode, ctas in ((base.comm_mode, base.comm_ctas), *COMM_VARIANTS):
-    if mode == "pull" and not pull:
-      continue
-    cfg = config_lib.fit_smem(dataclasses.replace(base, comm_mode=mode, comm_ctas=ctas),
-                              num_devices)
+  for cfg in configs:
+    cfg = config_lib.fit_smem(cfg, num_devices)
     try:
       cfg.check_shape(m=m, n=n, k_shard=k_shard, num_devices=num_devices)
     except NotImplementedError:
@@ -140,18 +146,12 @@ TILE_VARIANTS = ((128, 128, "N"), (64, 128, "N"), (128, 64, "N"), (64, 256, "M")
 
 def tile_variants(base: Config, *, m: int, n: int, k_shard: int,
                   num_devices: int) -> list[Config]:
-  """`base` (incumbent first; its comm path, pipeline and numerics kept) with each CTA tile of
-  TILE_VARIANTS, fitted to SMEM; those the kernel cannot take for the shape left out."""
-  out = [base]
-  for tile_m, tile_n, wg in TILE_VARIANTS:
-    cfg = dataclasses.replace(base, tile_m=tile_m, tile_n=tile_n,
-                              wg_dimension=config_lib.MatmulDimension[wg],
-                              epi_tile_n=min(base.epi_tile_n, tile_n))
-    cfg = config_lib.fit_smem(cfg, num_devices)
-    try:
-      cfg.check_shape(m=m, n=n, k_shard=k_shard, num_devices=num_devices)
-    except NotImplementedError:
-      continue
-    if cfg not in out:
-      out.append(cfg)
-  return out
+  """`base` (its comm path, pipeline and numerics kept) with each CTA tile of TILE_VARIANTS,
+  fitted to SMEM; those the kernel cannot take for the shape left out; `base` itself (the
+  incumbent) first when the kernel takes it."""
+  return _fitting([base] + [
+      dataclasses.replace(base, tile_m=tile_m, tile_n=tile_n,
+                          wg_dimension=config_lib.MatmulDimension[wg],
+                          epi_tile_n=min(base.epi_tile_n, tile_n))
+      for tile_m, tile_n, wg in TILE_VARIANTS], m=m, n=n, k_shard=k_shard,
+      num_devices=num_devices)
