@@ -167,14 +167,27 @@ def _best(recs, margin: float = 0.0):
   return best if best["median_us"] < (1 - margin) * ok[0]["median_us"] else ok[0]
 
 
+def _fallback(recs, best):
+  """(config JSON, times) of the fastest correct candidate that does not pull, where `best`
+  pulls (remote TMA loads: jax >= 0.11.2 on devices), for the table entry's "fallback"."""
+  if not best or (best.get("config") or {}).get("comm_mode") != "pull":
+    return None
+  ok = [r for r in recs if r.get("status") == "ok"
+        and (r.get("config") or {}).get("comm_mode") != "pull"]
+  if not ok:
+    return None
+  r = min(ok, key=lambda r: r["median_us"])
+  return r["config"], r["times_us"]
+
+
 def _gate_entry(*, gpu_kind, d, m, n, k_shard, best, xla, env, mode,
-                measured_with, op="matmul_rs") -> dict[str, Any]:
+                measured_with, op="matmul_rs", fallback=None) -> dict[str, Any]:
   from pallas_rs.tuning import schema  # pylint: disable=g-import-not-at-top
   return schema.make_entry(
       op=op, gpu_kind=gpu_kind, num_devices=d, m=m, n=n, k_shard=k_shard,
       fused_us=best["times_us"] if best else [], xla_us=xla["times_us"] if xla else [],
       config_json=best["config"] if best else None, margin=FLAGS.margin, env=env,
-      measured_with=measured_with, mode=mode)
+      measured_with=measured_with, mode=mode, fallback=fallback)
 
 
 # ---------------------------------------------------------------------------
@@ -330,9 +343,10 @@ def tune_multi_gpu(case, env) -> tuple[list[dict], list[dict]]:
   for r in records:
     r.update(case=case.name, num_devices=d, m=m, n=n, k_shard=k_shard,
              mode="multi_gpu")
+  best = _best(records[1:], FLAGS.margin)
   entry = _gate_entry(
       gpu_kind=env["device_kind"], d=d, m=m, n=n, k_shard=k_shard,
-      best=_best(records[1:], FLAGS.margin), xla=xla, env=env, mode="multi_gpu",
+      best=best, xla=xla, env=env, mode="multi_gpu", fallback=_fallback(records[1:], best),
       measured_with=(f"experiments/autotune.py --mode=multi_gpu: fused under "
                      f"shard_map vs jnp.dot + psum_scatter (T_seq) on {d} GPUs, "
                      f"{xla['timer']} step time (max over devices), "

@@ -125,9 +125,9 @@ def test_comm_ctas_bit_identical_to_direct_push(d, numerics, mode, ctas):
 @pytest.mark.parametrize("d", [1, 2, 4, 8])
 def test_warpgroups_split_along_m(d):
   m, n, k_shard = 256 * d, 1536, 512
-  base = dataclasses.replace(
+  base = config_lib.fit_smem(dataclasses.replace(
       config_lib.default_config(m=m, n=n, k_shard=k_shard, num_devices=d), tile_m=64,
-      tile_n=192, wg_dimension=config_lib.MatmulDimension.M)
+      tile_n=192, wg_dimension=config_lib.MatmulDimension.M), d)
   assert (base.cta_tile_m, base.cta_tile_n) == (128, 192)
   xs, ws = testing.stacked_inputs(7 * d, d, m, k_shard, n)
   ref = testing.stacked_reference(xs, ws)

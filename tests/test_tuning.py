@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+import numpy as np
 import pytest
 
 from pallas_rs.kernel import ag_matmul
@@ -627,3 +628,53 @@ def test_autotune_keeps_the_incumbent_within_the_margin():
     assert autotune._best([rec("x", 1.0, "unavailable: y")], 0.02) is None  # pylint: disable=protected-access
   finally:
     helpers.forget_scripts("autotune")
+
+
+def test_a_pull_entry_falls_back_to_its_measured_push_config(monkeypatch):
+  # Pulling comm CTAs need remote TMA loads (jax >= 0.11.2 on devices); the entry's fallback,
+  # measured faster than XLA in the same run, runs where they cannot.
+  monkeypatch.setattr(fused, "remote_tma_loads_supported", lambda: False)
+  base = config_lib.default_config(m=8192, n=N, k_shard=4096, num_devices=2)
+  pull = dataclasses.replace(base, comm_ctas=4, comm_mode="pull")
+  entry = _entry(8192, d=2, k_shard=4096, cfg=pull)
+  entry["fallback"] = {"config": tuning.config_to_json(base), "times_us": [11.0, 11.5]}
+  tuning.validate_table(_table(entry))
+  got = _choose(8192, d=2, k_shard=4096, table=_table(entry))
+  assert (got.implementation, got.config, got.source) == ("fused", base, "table")
+  assert "fallback" in got.reason and "comm_mode='pull'" in got.reason
+  # Without a fallback, the same entry gates to XLA, saying why.
+  del entry["fallback"]
+  got = _choose(8192, d=2, k_shard=4096, table=_table(entry))
+  assert got.implementation == "xla" and "comm_mode='pull'" in got.reason
+  # Where pulling works, the entry's own config runs.
+  monkeypatch.setattr(fused, "remote_tma_loads_supported", lambda: True)
+  entry["fallback"] = {"config": tuning.config_to_json(base), "times_us": [11.0]}
+  assert _choose(8192, d=2, k_shard=4096, table=_table(entry)).config == pull
+
+
+def test_fallbacks_are_measured_wins_and_validated():
+  cfg = tuning.config_to_json(config_lib.Config())
+  kw = dict(gpu_kind=H200, num_devices=2, m=512, n=1024, k_shard=512, fused_us=[9.0],
+            xla_us=[10.0], config_json=cfg, margin=0.02)
+  assert schema.make_entry(**kw, fallback=(cfg, [9.5]))["fallback"]["times_us"] == [9.5]
+  assert "fallback" not in schema.make_entry(**kw, fallback=(cfg, [9.9]))  # within the margin
+  assert "fallback" not in schema.make_entry(**kw)
+  entry = _entry(512, d=2, k_shard=512)
+  for bad, match in (([1], "fallback must be an object"),
+                     ({"config": cfg}, "fields config and times_us"),
+                     ({"config": cfg, "times_us": []}, "non-empty"),
+                     ({"config": dict(cfg, tile_m=96), "times_us": [1.0]}, "fallback.config")):
+    with pytest.raises(ValueError, match=match):
+      tuning.validate_table(_table(dict(entry, fallback=bad)))
+
+
+def test_shipped_pull_entries_carry_a_measured_fallback():
+  # Every pulling entry of the shipped table has a fallback that does not pull and that beat
+  # XLA in the same run (2026-12-01, two H200s): jax < 0.11.2 runs it instead of XLA.
+  pulls = [e for e in tuning.packaged_table()["entries"]
+           if (e.get("config") or {}).get("comm_mode") == "pull"]
+  assert pulls
+  for e in pulls:
+    fb = e["fallback"]
+    assert fb["config"]["comm_mode"] == "push"
+    assert np.median(fb["times_us"]) < 0.98 * np.median(e["times_us"]["xla"])

@@ -5,7 +5,9 @@ The fused kernels are chosen only where a measurement says they win ("never slow
 measurements; `pallas_rs.tuning.gate` makes the decision from them, and `pallas_rs.tuning.candidates`
 proposes the configs the tuner (experiments/autotune.py) measures. `select` consults, in order:
 
-  (a) table: an exact entry for (op, gpu_kind, num_devices, m, n, k_shard, dtype);
+  (a) table: an exact entry for (op, gpu_kind, num_devices, m, n, k_shard, dtype); where its
+      config cannot run here (pulling comm CTAs on jax < 0.11.2), the entry's "fallback"
+      config, measured faster than XLA in the same run, if it has one;
   (b) heuristic: for an unmeasured m, the measured entry with the same
       (op, gpu_kind, num_devices, n, k_shard, dtype) nearest in |log m|; its
       implementation is the gate and its config is re-validated for this shape
@@ -38,7 +40,8 @@ The table (JSON, `schema_version` 1):
                 "config": {config fields} | null,
                 "times_us": {"fused": [raw us...], "xla": [raw us...]},
                 "env": {...}, "measured_with": str,
-                "mode": "single_gpu" | "multi_gpu" | "loopback"}]}  # optional
+                "mode": "single_gpu" | "multi_gpu" | "loopback",   # optional
+                "fallback": {"config": {...}, "times_us": [raw us...]}}]}  # optional
 
 "mode" defaults to "single_gpu" for num_devices = 1 and "multi_gpu" otherwise.
 "loopback" entries (D virtual ranks on one GPU) are informational: they are
@@ -75,6 +78,7 @@ from pallas_rs.tuning.schema import DEFAULT_OP
 from pallas_rs.tuning.schema import Decision
 from pallas_rs.tuning.schema import empty_table  # pylint: disable=unused-import
 from pallas_rs.tuning.schema import entry_config
+from pallas_rs.tuning.schema import entry_fallback
 from pallas_rs.tuning.schema import entry_key
 from pallas_rs.tuning.schema import entry_mode  # pylint: disable=unused-import
 from pallas_rs.tuning.schema import entry_op
@@ -274,6 +278,11 @@ def select(key: Key, *, default: Any, fits: Callable[[Any], str | None],
     if bad is None:
       return Decision("fused", cfg, "table", why)
     notes.append(f"table config for this key does not fit: {bad}")
+    fallback = entry_fallback(entry)
+    if fallback is not None and fits(fallback) is None:
+      return Decision("fused", fallback, "table",
+                      f"{why}; its config cannot run here ({bad}): the entry's fallback, "
+                      f"median {np.median(entry['fallback']['times_us']):.1f} us")
     break
   # (b) nearest measured m with the same (op, gpu_kind, D, n, k_shard, dtype).
   near = [e for e in gating

@@ -24,7 +24,7 @@ INFORMATIONAL_MODES = ("loopback",)
 _KEY_FIELDS = {"gpu_kind": str, "num_devices": int, "m": int, "n": int,
                "k_shard": int, "dtype": str}
 _ENTRY_FIELDS = {"key", "op", "implementation", "config", "times_us", "env",
-                 "measured_with", "mode"}
+                 "measured_with", "mode", "fallback"}
 _REQUIRED_ENTRY_FIELDS = {"key", "implementation", "config", "times_us"}
 
 class Key(NamedTuple):
@@ -161,6 +161,13 @@ def entry_config(entry: Mapping[str, Any]) -> Any:
   return _config_codec(entry_op(entry))[1](entry["config"])
 
 
+def entry_fallback(entry: Mapping[str, Any]) -> Any:
+  """The entry's fallback config (None without one): measured faster than XLA in the same run
+  as `config`, for where `config` cannot run (e.g. pulling comm CTAs on jax < 0.11.2)."""
+  fallback = entry.get("fallback")
+  return None if fallback is None else _config_codec(entry_op(entry))[1](fallback["config"])
+
+
 def is_informational(entry: Mapping[str, Any]) -> bool:
   """Loopback entries: kept in the table, never used to gate."""
   return entry_mode(entry) in INFORMATIONAL_MODES
@@ -168,6 +175,12 @@ def is_informational(entry: Mapping[str, Any]) -> bool:
 
 def identity(entry) -> tuple[str, Key, bool]:
   return entry_op(entry), entry_key(entry).normalized(), is_informational(entry)
+
+
+def _finite_times(values: Any) -> bool:
+  return isinstance(values, list) and all(
+      isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+      for v in values)
 
 
 def _validate_entry(i: int, entry: Any) -> None:
@@ -212,11 +225,20 @@ def _validate_entry(i: int, entry: Any) -> None:
   if not isinstance(times, dict):
     raise ValueError(f"{where}.times_us must be an object of lists")
   for name, values in times.items():
-    if (not isinstance(values, list)
-        or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
-                   and math.isfinite(v) and v >= 0 for v in values)):
+    if not _finite_times(values):
       raise ValueError(f"{where}.times_us.{name} must be a list of finite "
                        f"non-negative numbers")
+  fallback = entry.get("fallback")
+  if fallback is not None:
+    if not isinstance(fallback, dict) or set(fallback) != {"config", "times_us"}:
+      raise ValueError(f"{where}.fallback must be an object with fields config and times_us")
+    if not _finite_times(fallback["times_us"]) or not fallback["times_us"]:
+      raise ValueError(f"{where}.fallback.times_us must be a non-empty list of finite "
+                       "non-negative numbers")
+    try:
+      entry_fallback(entry)
+    except (ValueError, TypeError) as e:
+      raise ValueError(f"{where}.fallback.config: {e}") from None
   if "env" in entry and not isinstance(entry["env"], dict):
     raise ValueError(f"{where}.env must be an object")
   if "measured_with" in entry and not isinstance(entry["measured_with"], str):
@@ -260,9 +282,11 @@ def make_entry(*, op: str = DEFAULT_OP, gpu_kind: str, num_devices: int, m: int,
                k_shard: int, dtype: str = "bfloat16", fused_us: list[float],
                xla_us: list[float], config_json: dict[str, Any] | None, margin: float = 0.0,
                env: dict[str, Any] | None = None, measured_with: str = "",
-               mode: str | None = None) -> dict[str, Any]:
+               mode: str | None = None,
+               fallback: tuple[dict[str, Any], list[float]] | None = None) -> dict[str, Any]:
   """A table entry from raw times: "fused" only if its median beats XLA's by `margin`
-  (the autotuner's rule; an empty list means "not measured")."""
+  (the autotuner's rule; an empty list means "not measured"). `fallback` (config JSON, its
+  times): kept only if it too beats XLA's median by `margin` (`entry_fallback`)."""
   fused_wins = (bool(fused_us) and bool(xla_us)
                 and statistics.median(fused_us) < (1.0 - margin) * statistics.median(xla_us))
   entry = {
@@ -277,4 +301,7 @@ def make_entry(*, op: str = DEFAULT_OP, gpu_kind: str, num_devices: int, m: int,
   }
   if mode is not None:
     entry["mode"] = mode
+  if (fallback is not None and fallback[1] and xla_us
+      and statistics.median(fallback[1]) < (1.0 - margin) * statistics.median(xla_us)):
+    entry["fallback"] = {"config": fallback[0], "times_us": list(fallback[1])}
   return entry
