@@ -7,7 +7,8 @@
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh ablate   # where the time goes; then autotune
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh probe    # communication paths side by side
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh numerics # error-ratio distributions, baseline
-#   OUT=/tmp/mg bash experiments/run_multi_gpu.sh model    # TP block end to end; backward AG gate
+#   OUT=/tmp/mg bash experiments/run_multi_gpu.sh model    # TP block end to end (the shipped table)
+#   OUT=/tmp/mg bash experiments/run_multi_gpu.sh ag       # retune the backward's all-gather matmul tiles
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh roofline # NVLink push/pull/local TMA vs CUDA figures
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh mesh2d   # 4 GPUs: (dp, tp) = (2, 2) vs 1-D D = 2
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh smallm   # M = 512/2048: GEMM core vs XLA's dot per tile shape
@@ -56,8 +57,17 @@ llama70b_o_proj_m512,llama70b_o_proj_m32768,mixtral8x22b_w2_m2048,llama70b_down_
       timeout 200 python3 experiments/model_bench.py --mode=multi_gpu --model=$model \
         --m=2048,8192 --keep_going --out="$out/model_$model.json" 2>&1 | quiet | tail -12
     done
-    timeout 150 python3 experiments/autotune.py --mode=multi_gpu --op=ag_matmul --tags=seed \
-      --max_configs=2 --iterations=20 --table="$out/tuning_table.json" \
+    ;;
+  ag)
+    # The backward's all-gather matmul (jax's kernel) at M <= 8192: its default and each CTA
+    # tile of candidates.ag_tile_variants vs XLA, into a copy of the tuning table (2% margin).
+    cp pallas_rs/tuning/data/tuning_table.json "$out/tuning_table.json"
+    names=""
+    for p in llama70b_o_proj llama70b_down_proj mixtral8x22b_o_proj mixtral8x22b_w2; do
+      for m in 512 2048 8192; do names="$names${names:+,}${p}_m${m}"; done
+    done
+    timeout 560 python3 experiments/autotune.py --mode=multi_gpu --op=ag_matmul --names="$names" \
+      --max_configs=8 --iterations=20 --margin=0.02 --table="$out/tuning_table.json" \
       --out="$out/autotune_ag.json" 2>&1 | quiet | tail -20 ;;
   roofline)
     # NVLink primitives as Mosaic GPU kernels at D = 2 (push, pull, local TMA, head-of-line
@@ -99,6 +109,6 @@ llama70b_o_proj_m512,llama70b_o_proj_m32768,mixtral8x22b_w2_m2048,llama70b_down_
       --names=llama70b_o_proj_m512,llama70b_down_proj_m512,mixtral8x22b_o_proj_m512,\
 mixtral8x22b_w2_m512,llama70b_o_proj_m2048,mixtral8x22b_o_proj_m2048 \
       --out="$out/timeline.json" 2>&1 | quiet | tail -20 ;;
-  *) echo "usage: $0 check|sweep|proxy8|ablate|probe|numerics|model|roofline|mesh2d|smallm|smallm_proxy8|timeline|tiles" >&2
+  *) echo "usage: $0 check|sweep|proxy8|ablate|probe|numerics|model|roofline|mesh2d|smallm|smallm_proxy8|timeline|tiles|ag" >&2
      exit 2 ;;
 esac

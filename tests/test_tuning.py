@@ -517,6 +517,23 @@ def test_autotune_writes_ag_entries_the_gate_reads(monkeypatch):
   assert _decide_ag(**dict(kw, table=_table(slower)))[0] == "xla"
 
 
+def test_ag_tile_variants_cover_the_shard_and_start_with_the_default():
+  # Llama o_proj's backward at M = 512, D = 2: dx [512, 4096] from a 256-row shard; the
+  # default 128 x 256 tiles make 32 per gathered shard for 132 SMs, the variants up to 128.
+  got = candidates.ag_tile_variants(256, 8192, 4096)
+  assert got[0] == ag_matmul.default_config(256, 4096)
+  assert len(set(got)) == len(got) >= 5
+  for cfg in got:
+    assert ag_matmul.tiling_problem(cfg, m_shard=256, k=8192, n=4096) is None
+  assert {(c.tile_m, c.tile_n, c.wg_dimension.name) for c in got} >= {
+      (64, 128, "N"), (64, 256, "M"), (64, 64, "N")}
+  # A 64-row shard (M = 512 at D = 8) takes only 64-row tiles side by side along N.
+  assert all(c.tile_m == 64 and c.wg_dimension.name == "N"
+             for c in candidates.ag_tile_variants(64, 8192, 1024))
+  bad = dataclasses.replace(ag_matmul.default_config(256, 4096), tile_n=96)
+  assert "multiple of 64" in ag_matmul.tiling_problem(bad, m_shard=256, k=8192, n=4096 - 64)
+
+
 def test_autotune_dry_run_lists_the_ag_problems():
   import os  # pylint: disable=g-import-not-at-top
   import subprocess  # pylint: disable=g-import-not-at-top
@@ -529,7 +546,8 @@ def test_autotune_dry_run_lists_the_ag_problems():
        "--mode=multi_gpu", "--op=ag_matmul", "--names=llama70b_o_proj_m512",
        "--num_devices=2"], capture_output=True, text=True, env=env, timeout=300, check=False)
   assert res.returncode == 0, res.stderr[-2000:]
-  assert "ag_matmul {'m_shard': 256, 'k': 8192, 'n': 4096}" in res.stdout, res.stdout
+  assert "ag_matmul {'m_shard': 256, 'k': 8192, 'n': 4096}: XLA and m128n128/N" in res.stdout, (
+      res.stdout)
 
 
 def test_table_config_gets_the_same_checks_as_a_callers(monkeypatch):

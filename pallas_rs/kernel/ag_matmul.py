@@ -98,16 +98,28 @@ def check_supported(*, m_shard: int, k: int, n: int, dtype, out_dtype,
   if config.cluster_dimension is not None:
     raise NotImplementedError("all_gather_lhs_matmul needs cluster_dimension "
                               f"None, got {config.cluster_dimension=}")
+  bad = tiling_problem(config, m_shard=m_shard, k=k, n=n)
+  if bad:
+    raise NotImplementedError(f"all_gather_lhs_matmul needs {bad} ({config=})")
+  return config
+
+
+def tiling_problem(config, *, m_shard: int, k: int, n: int) -> str | None:
+  """Why `config`'s tiles cannot cover [m_shard, k] x [k, n] (None if they can): the CTA tile
+  (two warpgroup tiles side by side along `wg_dimension`) must divide the shard's rows and
+  columns, and with the N split the second warpgroup's w columns must start on a 64-column
+  swizzle tile."""
+  from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu  # pylint: disable=g-import-not-at-top
   wg_m = config.wg_dimension == hopper_matmul_mgpu.MatmulDimension.M
+  if not wg_m and config.tile_n % 64:
+    return f"tile_n={config.tile_n} a multiple of 64 with the warpgroups along N"
   cta_tile_m = config.tile_m * (2 if wg_m else 1)
   cta_tile_n = config.tile_n * (1 if wg_m else 2)
   for name, size, tile in (("m_shard", m_shard, cta_tile_m),
                            ("n", n, cta_tile_n), ("k", k, config.tile_k)):
     if size % tile:
-      raise NotImplementedError(
-          f"all_gather_lhs_matmul needs {name}={size} divisible by {tile} "
-          f"({config=})")
-  return config
+      return f"{name}={size} divisible by {tile}"
+  return None
 
 
 def fused_all_gather_matmul(lhs, rhs, axis_name, *, config, out_dtype

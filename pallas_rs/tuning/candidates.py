@@ -3,7 +3,8 @@
 `candidate_configs` orders `config.search_space` for diversity around `config.default_config`;
 `comm_variants` are one config's ways of moving the partials (direct push, comm CTAs pulling
 or pushing); `tile_variants` its CTA tile shapes (small M: how many SMs one wave fills, and
-how many waves the transfer can overlap); `adapt_config` carries a config measured at one D to another (the loopback entries).
+how many waves the transfer can overlap); `ag_tile_variants` the same for the backward's
+all-gather matmul (jax's kernel: `pallas_rs.kernel.ag_matmul`); `adapt_config` carries a config measured at one D to another (the loopback entries).
 """
 from __future__ import annotations
 
@@ -155,3 +156,22 @@ def tile_variants(base: Config, *, m: int, n: int, k_shard: int,
                           epi_tile_n=min(base.epi_tile_n, tile_n))
       for tile_m, tile_n, wg in TILE_VARIANTS], m=m, n=n, k_shard=k_shard,
       num_devices=num_devices)
+
+
+def ag_tile_variants(m_shard: int, k: int, n: int) -> list:
+  """jax's all-gather matmul configs for [m_shard, k] x [k, n] per device: its default
+  (`ag_matmul.default_config`) first, then the default with each CTA tile of TILE_VARIANTS and
+  64 x 128; those whose tiles do not cover the shape (`ag_matmul.tiling_problem`) left out.
+  Each step of that kernel multiplies one gathered shard: at small M its default 128 x 256
+  tiles give a few dozen tiles per step for 132 SMs (Llama o_proj M = 512 at D = 2: 32)."""
+  from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu  # pylint: disable=g-import-not-at-top
+  from pallas_rs.kernel import ag_matmul  # pylint: disable=g-import-not-at-top
+  base = ag_matmul.default_config(m_shard, n)
+  out = [base] if ag_matmul.tiling_problem(base, m_shard=m_shard, k=k, n=n) is None else []
+  for tile_m, tile_n, wg in (*TILE_VARIANTS, (64, 64, "N")):
+    cfg = dataclasses.replace(base, tile_m=tile_m, tile_n=tile_n,
+                              epi_tile_n=min(base.epi_tile_n, tile_n),
+                              wg_dimension=hopper_matmul_mgpu.MatmulDimension[wg])
+    if cfg not in out and ag_matmul.tiling_problem(cfg, m_shard=m_shard, k=k, n=n) is None:
+      out.append(cfg)
+  return out
