@@ -7,6 +7,8 @@ from typing import Iterator
 
 from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu
 
+from pallas_rs.kernel import schedule
+
 MatmulDimension = hopper_matmul_mgpu.MatmulDimension
 
 # `shared_memory_per_block_optin` on H100/H200 (measured: 232448 on one H200).
@@ -149,6 +151,11 @@ class Config:
   def cta_tile_n(self) -> int:
     return self.tile_n * (1 if self.wg_dimension == MatmulDimension.M else 2)
 
+  def chunk_group(self, m: int, num_devices: int) -> int:
+    """Row chunks (of m // num_devices rows) one CTA tile spans (schedule.chunk_group)."""
+    return schedule.chunk_group(m // num_devices, self.tile_m,
+                                self.wg_dimension == MatmulDimension.M, num_devices)
+
   @property
   def num_out_slots(self) -> int:
     sub_tiles = (self.tile_m * self.tile_n) // (self.epi_tile_m * self.epi_tile_n)
@@ -209,7 +216,14 @@ class Config:
     """Raises NotImplementedError if the kernel cannot take this (legal) problem with this config
     (`loopback`: on the one-GPU transport, whose D ranks share the GPU's CTAs)."""
     chunk = m // num_devices
-    if chunk % self.cta_tile_m:
+    if self.chunk_group(m, num_devices) == 2:
+      # Pairs: each warpgroup's tile has its own destination (docs/design.md section 3).
+      if self.comm_ctas or self.eager_signal_steps:
+        raise NotImplementedError(
+            f"a CTA tile over two {chunk}-row chunks (tile_m={self.tile_m}, wg_dimension=M) "
+            f"runs only with the direct push and deferred signals, got comm_ctas="
+            f"{self.comm_ctas}, eager_signal_steps={self.eager_signal_steps}")
+    elif chunk % self.cta_tile_m:
       raise NotImplementedError(
           f"m // num_devices = {m} // {num_devices} = {chunk} is not a multiple of "
           f"the CTA tile's {self.cta_tile_m} rows (tile_m={self.tile_m}, "
