@@ -319,7 +319,8 @@ def _largest_steps(base: Config, num_devices: int, upper: int = 6) -> Config:
 # beat the same 128 x 256 CTA tile split along N by 0-2.5% on 13 of 16; 128 x 192 tiles cost
 # ~2% more per area but fill the SMs where 128 x 256 ones leave them idle (Mixtral M = 512: 96
 # tiles on 132 SMs; 0.79-0.90x XLA's dot instead of 0.98-1.08x); 128 x 128 and 64 x 256 CTA
-# tiles cost ~9-10% more, 64 x 128 ones 46-65% more (128 x 64: not measured, a guess).
+# tiles cost ~9-10% more, 64 x 128 ones 46-65% more (the M split's 128 x 128 and 128 x 64: not
+# measured, guesses).
 _DEFAULT_TILES = {(64, 256, MatmulDimension.M): 1.0, (64, 192, MatmulDimension.M): 1.02,
                   (128, 128, MatmulDimension.N): 1.01, (128, 64, MatmulDimension.N): 1.09,
                   (64, 128, MatmulDimension.M): 1.09, (64, 128, MatmulDimension.N): 1.1,
@@ -357,7 +358,8 @@ def default_config(*, m: int, n: int, k_shard: int, num_devices: int,
     raise NotImplementedError(
         f"m // num_devices = {chunk} is not a multiple of 64 (tile_m); no padding {where}")
   if n % 64:
-    raise NotImplementedError(f"{n=} is not a multiple of 64 (the narrowest CTA tile); no padding {where}")
+    raise NotImplementedError(
+        f"{n=} is not a multiple of 64 (the narrowest CTA tile); no padding {where}")
   tile_k = 64
   if k_shard % tile_k:
     raise NotImplementedError(f"{k_shard=} is not a multiple of 64 (tile_k); no padding {where}")
