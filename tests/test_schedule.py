@@ -11,18 +11,23 @@ SEEDS = shapes.select(tags="seed")
 
 
 def _tiles(case, d):
+  """(tiles per step, chunk group) of the default config for the case at D = d."""
   cfg = config_lib.default_config(m=case.m, n=case.n, k_shard=case.k // d, num_devices=d)
-  return (case.m // d // cfg.cta_tile_m) * (case.n // cfg.cta_tile_n)
+  group = cfg.chunk_group(case.m, d)
+  return (group * case.m // d // cfg.cta_tile_m) * (case.n // cfg.cta_tile_n), group
 
 
-def _check(d, tiles, num_ctas, comm_ctas=0, eager=0, pull=False):
+def _check(d, tiles, num_ctas, comm_ctas=0, eager=0, pull=False, group=1):
+  if isinstance(tiles, tuple):
+    tiles, group = tiles
   result = schedule.simulate(num_ctas=num_ctas, num_devices=d, tiles_per_chunk=tiles,
-                             comm_ctas=comm_ctas, eager_signal_steps=eager, pull=pull)
+                             comm_ctas=comm_ctas, eager_signal_steps=eager, pull=pull,
+                             group=group)
   trace = result["trace"]
   computed = collections.Counter((e.rank, e.dst, e.tile) for e in trace if e.kind == "compute")
-  # Every rank computes every tile of every chunk exactly once.
+  # Every rank computes every tile of every chunk (group) exactly once.
   assert set(computed.values()) == {1}
-  assert len(computed) == d * d * tiles
+  assert len(computed) == d * schedule.num_steps(d, group) * tiles
   if comm_ctas and d > 1:  # ... on compute CTAs only (grid indices comm_ctas and up).
     assert all(e.cta >= comm_ctas for e in trace if e.kind == "compute")
     assert not any(e.kind == "compute" for e in schedule.cta_program(
@@ -66,7 +71,8 @@ def _check(d, tiles, num_ctas, comm_ctas=0, eager=0, pull=False):
     owner = {k: v for k, v in sems.items() if k[0] != "staged"}
     for (rank, tile, wg), value in owner.items():
       assert value == waits[(rank, tile)] == d - 1, (rank, tile, wg)
-    assert len(owner) == d * tiles * schedule.NUM_COMPUTE_WGS
+    # Pairs: only the warpgroup that holds the owner's chunk is signalled.
+    assert len(owner) == d * tiles * (schedule.NUM_COMPUTE_WGS if group == 1 else 1)
   for key, value in sems.items():
     if key[0] == "staged":
       assert value == 1, key  # One staging signal per tile and warpgroup, one wait for it.

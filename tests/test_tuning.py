@@ -617,7 +617,8 @@ def test_default_tiles_follow_the_wave_model():
   assert cfg(512, 8192, 2).wg_dimension == m_dim
   assert (cfg(512, 6144, 2).cta_tile_m, cfg(512, 6144, 2).cta_tile_n) == (128, 192)
   assert (cfg(2048, 6144, 2).cta_tile_m, cfg(2048, 6144, 2).cta_tile_n) == (128, 256)
-  assert cfg(512, 8192, 8).cta_tile_m == 64
+  # D = 8, M = 512: 64-row chunks in pairs under 128-row tiles (schedule.chunk_group).
+  assert cfg(512, 8192, 8).chunk_group(512, 8) == 2 and cfg(512, 8192, 8).cta_tile_m == 128
   # n that no 256- or 192-column tile divides still gets a valid config.
   c = cfg(512, 320, 2)
   c.check_shape(m=512, n=320, k_shard=1024, num_devices=2)

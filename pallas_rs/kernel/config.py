@@ -329,13 +329,15 @@ _DEFAULT_TILES = {(64, 256, MatmulDimension.M): 1.0, (64, 192, MatmulDimension.M
 
 def _default_tiles(chunk: int, n: int, num_devices: int, num_sms: int):
   """The CTA tile of least modelled time: waves (the D chunks' tiles over num_sms CTAs, rounded
-  up) x tile area x its relative cost (_DEFAULT_TILES); ties go to the earlier tile."""
+  up) x tile area x its relative cost (_DEFAULT_TILES); ties go to the earlier tile. A 128-row
+  tile over a pair of 64-row chunks (schedule.chunk_group) counts as one tile of the pair."""
   best = None
   for (tile_m, tile_n, wg), slowdown in _DEFAULT_TILES.items():
     cta_m, cta_n = (2 * tile_m, tile_n) if wg == MatmulDimension.M else (tile_m, 2 * tile_n)
-    if chunk % cta_m or n % cta_n:
+    group = schedule.chunk_group(chunk, tile_m, wg == MatmulDimension.M, num_devices)
+    if group * chunk % cta_m or n % cta_n:
       continue
-    tiles = num_devices * (chunk // cta_m) * (n // cta_n)
+    tiles = num_devices // group * (group * chunk // cta_m) * (n // cta_n)
     cost = -(-tiles // num_sms) * cta_m * cta_n * slowdown
     if best is None or cost < best[0]:
       best = (cost, (tile_m, tile_n, wg))
