@@ -20,7 +20,8 @@ mod.jax_matmul = lambda hm, cfg: (
 """
 
 
-def test_gemm_core_script_plumbing(tmp_path):  # ~6 s on 2 CPU cores
+@pytest.mark.slow  # ~6 s on 2 CPU cores: the slow layer (tests/conftest.py), like ablate's.
+def test_gemm_core_script_plumbing(tmp_path):
   out = tmp_path / "gemm_core.json"
   proc = helpers.run_script_with_stand_ins(
       "gemm_core.py", ["--projections=mixtral8x22b_o_proj", "--ms=512", "--ds=8",
