@@ -35,6 +35,14 @@ NUMERICS_MODES = {
 }
 
 
+def cta_tile(tile_m: int, tile_n: int, wg_dimension) -> tuple[int, int]:
+  """(rows, columns) of a CTA tile: two `tile_m x tile_n` warpgroup tiles side by side along
+  `wg_dimension` (this kernel's Config and jax's TuningConfig alike)."""
+  if MatmulDimension(wg_dimension) == MatmulDimension.M:
+    return 2 * tile_m, tile_n
+  return tile_m, 2 * tile_n
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
   """Tiling of the fused matmul + reduce-scatter kernel.
@@ -143,11 +151,11 @@ class Config:
 
   @property
   def cta_tile_m(self) -> int:
-    return self.tile_m * (2 if self.wg_dimension == MatmulDimension.M else 1)
+    return cta_tile(self.tile_m, self.tile_n, self.wg_dimension)[0]
 
   @property
   def cta_tile_n(self) -> int:
-    return self.tile_n * (1 if self.wg_dimension == MatmulDimension.M else 2)
+    return cta_tile(self.tile_m, self.tile_n, self.wg_dimension)[1]
 
   @property
   def num_out_slots(self) -> int:
@@ -318,7 +326,7 @@ def _default_tiles(chunk: int, n: int, num_devices: int, num_sms: int):
   up) x tile area x its relative cost (_DEFAULT_TILES); ties go to the earlier tile."""
   best = None
   for (tile_m, tile_n, wg), slowdown in _DEFAULT_TILES.items():
-    cta_m, cta_n = (2 * tile_m, tile_n) if wg == MatmulDimension.M else (tile_m, 2 * tile_n)
+    cta_m, cta_n = cta_tile(tile_m, tile_n, wg)
     if chunk % cta_m or n % cta_n:
       continue
     tiles = num_devices * (chunk // cta_m) * (n // cta_n)
