@@ -55,6 +55,11 @@ def jax_config(hm, token: str, steps: int):
                          cluster_dimension=dim(cluster))
 
 
+def require_gpu(jax) -> None:
+  if jax.devices()[0].platform != "gpu":
+    raise app.UsageError("gemm_core.py times Mosaic GPU kernels: it needs a Hopper GPU")
+
+
 def jax_matmul(hm, config):
   params = inspect.signature(hm.matmul).parameters
   if "c" in params:
@@ -75,8 +80,7 @@ def main(argv):
   from pallas_rs.kernel import config as config_lib  # pylint: disable=g-import-not-at-top
   from pallas_rs.kernel import fused  # pylint: disable=g-import-not-at-top
 
-  if jax.devices()[0].platform != "gpu":
-    raise app.UsageError("gemm_core.py times Mosaic GPU kernels: it needs a Hopper GPU")
+  require_gpu(jax)
   out = Path(_OUT.value) if _OUT.value else bench_env.default_out("gemm_core.json")
   environment = bench_env.environment_block(sys.argv)
   rows = []

@@ -327,8 +327,10 @@ def test_pull_over_nvlink_needs_remote_tma_loads():
       _export_shard_map(1024, 1024, 1024, 2, config=cfg)
 
 
-@pytest.mark.parametrize("d,comm", [(1, {}), (2, {}), (2, dict(comm_ctas=2, comm_mode="pull")),
-                                    (8, dict(comm_ctas=4, comm_mode="push"))])
+@pytest.mark.parametrize("d,comm", [
+    pytest.param(1, {}, marks=pytest.mark.slow), pytest.param(2, {}, marks=pytest.mark.slow),
+    (2, dict(comm_ctas=2, comm_mode="pull")),
+    pytest.param(8, dict(comm_ctas=4, comm_mode="push"), marks=pytest.mark.slow)])
 def test_warpgroups_along_m_lower(d, comm):
   # 128 x 192 CTA tiles (config.wg_dimension=M): the x block is split between the warpgroups,
   # w is not; the comm CTAs move each warpgroup's 64 x 192 part.

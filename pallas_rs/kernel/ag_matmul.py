@@ -109,12 +109,12 @@ def tiling_problem(config, *, m_shard: int, k: int, n: int) -> str | None:
   (two warpgroup tiles side by side along `wg_dimension`) must divide the shard's rows and
   columns, and with the N split the second warpgroup's w columns must start on a 64-column
   swizzle tile."""
-  from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu  # pylint: disable=g-import-not-at-top
-  wg_m = config.wg_dimension == hopper_matmul_mgpu.MatmulDimension.M
+  from pallas_rs.kernel import config as config_lib  # pylint: disable=g-import-not-at-top
+  wg_m = config.wg_dimension == config_lib.MatmulDimension.M
   if not wg_m and config.tile_n % 64:
     return f"tile_n={config.tile_n} a multiple of 64 with the warpgroups along N"
-  cta_tile_m = config.tile_m * (2 if wg_m else 1)
-  cta_tile_n = config.tile_n * (1 if wg_m else 2)
+  cta_tile_m, cta_tile_n = config_lib.cta_tile(config.tile_m, config.tile_n,
+                                               config.wg_dimension)
   for name, size, tile in (("m_shard", m_shard, cta_tile_m),
                            ("n", n, cta_tile_n), ("k", k, config.tile_k)):
     if size % tile:

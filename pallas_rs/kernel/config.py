@@ -37,6 +37,14 @@ NUMERICS_MODES = {
 }
 
 
+def cta_tile(tile_m: int, tile_n: int, wg_dimension) -> tuple[int, int]:
+  """(rows, columns) of a CTA tile: two `tile_m x tile_n` warpgroup tiles side by side along
+  `wg_dimension` (this kernel's Config and jax's TuningConfig alike)."""
+  if MatmulDimension(wg_dimension) == MatmulDimension.M:
+    return 2 * tile_m, tile_n
+  return tile_m, 2 * tile_n
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
   """Tiling of the fused matmul + reduce-scatter kernel.
@@ -145,11 +153,11 @@ class Config:
 
   @property
   def cta_tile_m(self) -> int:
-    return self.tile_m * (2 if self.wg_dimension == MatmulDimension.M else 1)
+    return cta_tile(self.tile_m, self.tile_n, self.wg_dimension)[0]
 
   @property
   def cta_tile_n(self) -> int:
-    return self.tile_n * (1 if self.wg_dimension == MatmulDimension.M else 2)
+    return cta_tile(self.tile_m, self.tile_n, self.wg_dimension)[1]
 
   def chunk_group(self, m: int, num_devices: int) -> int:
     """Row chunks (of m // num_devices rows) one CTA tile spans (schedule.chunk_group)."""
@@ -333,7 +341,7 @@ def _default_tiles(chunk: int, n: int, num_devices: int, num_sms: int):
   tile over a pair of 64-row chunks (schedule.chunk_group) counts as one tile of the pair."""
   best = None
   for (tile_m, tile_n, wg), slowdown in _DEFAULT_TILES.items():
-    cta_m, cta_n = (2 * tile_m, tile_n) if wg == MatmulDimension.M else (tile_m, 2 * tile_n)
+    cta_m, cta_n = cta_tile(tile_m, tile_n, wg)
     group = schedule.chunk_group(chunk, tile_m, wg == MatmulDimension.M, num_devices)
     if group * chunk % cta_m or n % cta_n:
       continue

@@ -1,0 +1,53 @@
+"""experiments/gemm_core.py's plumbing on CPU, with the Mosaic GPU kernels replaced by stand-ins
+(they cannot run on a CPU): config variants, the jax TuningConfig tokens, the check, the JSON."""
+import json
+
+import pytest
+
+import helpers
+
+STAND_INS = """
+def local_stand_in(x, w, *, config=None):
+  return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+import jax.numpy as jnp
+fused.local_matmul = local_stand_in
+"""
+AFTER_LOAD = """
+mod.require_gpu = lambda jax: None
+import jax.numpy as jnp
+mod.jax_matmul = lambda hm, cfg: (
+    lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(a.dtype))
+"""
+
+
+@pytest.mark.slow  # ~6 s on 2 CPU cores: the slow layer (tests/conftest.py), like ablate's.
+def test_gemm_core_script_plumbing(tmp_path):
+  out = tmp_path / "gemm_core.json"
+  proc = helpers.run_script_with_stand_ins(
+      "gemm_core.py", ["--projections=mixtral8x22b_o_proj", "--ms=512", "--ds=8",
+                       "--ours=table,t64x192_wm,t128x128", "--jax=64x192_M_-,128x128_N_M",
+                       "--iterations=2", f"--out={out}"],
+      stand_ins=STAND_INS, after_load=AFTER_LOAD)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  (row,) = json.loads(out.read_text())["rows"]
+  assert (row["name"], row["d"], row["k_shard"], row["n"]) == ("mixtral8x22b_o_proj_m512", 8,
+                                                                 768, 6144)
+  assert "wg_dimension=M" in row["configs"]["ours:t64x192_wm"]
+  assert "tile_n=192" in row["configs"]["ours:t64x192_wm"]
+  assert "cluster_dimension=M" in row["configs"]["jax:128x128_N_M"]
+  assert set(row["times_us"]) == {"xla_dot", "ours:table", "ours:t64x192_wm", "ours:t128x128",
+                                  "jax:64x192_M_-", "jax:128x128_N_M"}
+  assert all(len(v) == 2 for v in row["times_us"].values())
+  assert max(row["max_rel_error"].values()) < 2.0**-7
+  assert "bad err" in proc.stdout  # the table printed last
+
+
+def test_gemm_core_refuses_a_cpu():
+  mod = helpers.load_script("gemm_core")
+  try:
+    import jax  # pylint: disable=g-import-not-at-top
+    from absl import app  # pylint: disable=g-import-not-at-top
+    with pytest.raises(app.UsageError, match="Hopper GPU"):
+      mod.require_gpu(jax)
+  finally:
+    helpers.forget_scripts("gemm_core")
