@@ -146,3 +146,25 @@ def test_warpgroups_split_along_m(d):
         _unfused_ring(xs, ws), ref)
     outs.append(np.asarray(out))
   np.testing.assert_array_equal(outs[0].view(np.uint16), outs[1].view(np.uint16))
+
+
+# Pairs (schedule.chunk_group = 2): 64-row chunks, a 128-row CTA tile over the chunks of ranks
+# 2p and 2p + 1, each warpgroup's tile to its own destination; three fresh inputs per D, every
+# numerics mode, against the reference (D = 8: the per-rank shape of Llama o_proj M = 512).
+@pytest.mark.parametrize("numerics", list(config_lib.NUMERICS_MODES))
+@pytest.mark.parametrize("d,n,k_shard", [(2, 1024, 512), (4, 1536, 512), (8, 8192, 1024)])
+def test_pairs_of_64_row_chunks(d, n, k_shard, numerics):
+  m = 64 * d
+  cfg = config_lib.fit_smem(config_lib.with_numerics(config_lib.Config(
+      tile_m=64, tile_n=256 if n % 256 == 0 else 192,
+      wg_dimension=config_lib.MatmulDimension.M), numerics, d), d)
+  assert cfg.chunk_group(m, d) == 2
+  fused.check_supported(m=m, k_shard=k_shard, n=n, dtype=jnp.bfloat16, num_devices=d,
+                        config=cfg, loopback=True)
+  f = jax.jit(functools.partial(fused.loopback_matmul_reduce_scatter, config=cfg))
+  for call in range(3):
+    xs, ws = testing.stacked_inputs(100 * d + call, d, m, k_shard, n)
+    ref = testing.stacked_reference(xs, ws)
+    out = f(xs, ws)
+    assert reference.max_rel_error(out, ref) <= 1.1 * reference.max_rel_error(
+        _unfused_ring(xs, ws), ref), call

@@ -346,3 +346,18 @@ def test_warpgroups_along_m_lower(d, comm):
   xs, ws = (jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((d, 128 * d, 512), (d, 512, 768)))
   jax.export.export(jax.jit(functools.partial(fused.loopback_matmul_reduce_scatter, config=cfg)),
                     platforms=["cuda"])(xs, ws)
+
+
+@pytest.mark.parametrize("d", [2, 4, 8])
+def test_pairs_lower(d):
+  # 64-row chunks under a 128-row CTA tile (schedule.chunk_group 2), in loopback at D = 2/4/8
+  # and, at D = 8, Llama o_proj M = 512 under shard_map.
+  cfg = config_lib.fit_smem(config_lib.with_numerics(config_lib.Config(
+      tile_m=64, tile_n=256, wg_dimension=config_lib.MatmulDimension.M),
+      config_lib.default_numerics(d), d), d)
+  assert cfg.chunk_group(64 * d, d) == 2
+  xs, ws = (jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((d, 64 * d, 512), (d, 512, 1024)))
+  jax.export.export(jax.jit(functools.partial(fused.loopback_matmul_reduce_scatter, config=cfg)),
+                    platforms=["cuda"])(xs, ws)
+  if d == 8:
+    _export_shard_map(512, 8192, 8192, 8, config=cfg)

@@ -11,18 +11,23 @@ SEEDS = shapes.select(tags="seed")
 
 
 def _tiles(case, d):
+  """(tiles per step, chunk group) of the default config for the case at D = d."""
   cfg = config_lib.default_config(m=case.m, n=case.n, k_shard=case.k // d, num_devices=d)
-  return (case.m // d // cfg.cta_tile_m) * (case.n // cfg.cta_tile_n)
+  group = cfg.chunk_group(case.m, d)
+  return (group * case.m // d // cfg.cta_tile_m) * (case.n // cfg.cta_tile_n), group
 
 
-def _check(d, tiles, num_ctas, comm_ctas=0, eager=0, pull=False):
+def _check(d, tiles, num_ctas, comm_ctas=0, eager=0, pull=False, group=1):
+  if isinstance(tiles, tuple):
+    tiles, group = tiles
   result = schedule.simulate(num_ctas=num_ctas, num_devices=d, tiles_per_chunk=tiles,
-                             comm_ctas=comm_ctas, eager_signal_steps=eager, pull=pull)
+                             comm_ctas=comm_ctas, eager_signal_steps=eager, pull=pull,
+                             group=group)
   trace = result["trace"]
   computed = collections.Counter((e.rank, e.dst, e.tile) for e in trace if e.kind == "compute")
-  # Every rank computes every tile of every chunk exactly once.
+  # Every rank computes every tile of every chunk (group) exactly once.
   assert set(computed.values()) == {1}
-  assert len(computed) == d * d * tiles
+  assert len(computed) == d * schedule.num_steps(d, group) * tiles
   if comm_ctas and d > 1:  # ... on compute CTAs only (grid indices comm_ctas and up).
     assert all(e.cta >= comm_ctas for e in trace if e.kind == "compute")
     assert not any(e.kind == "compute" for e in schedule.cta_program(
@@ -66,7 +71,8 @@ def _check(d, tiles, num_ctas, comm_ctas=0, eager=0, pull=False):
     owner = {k: v for k, v in sems.items() if k[0] != "staged"}
     for (rank, tile, wg), value in owner.items():
       assert value == waits[(rank, tile)] == d - 1, (rank, tile, wg)
-    assert len(owner) == d * tiles * schedule.NUM_COMPUTE_WGS
+    # Pairs: only the warpgroup that holds the owner's chunk is signalled.
+    assert len(owner) == d * tiles * (schedule.NUM_COMPUTE_WGS if group == 1 else 1)
   for key, value in sems.items():
     if key[0] == "staged":
       assert value == 1, key  # One staging signal per tile and warpgroup, one wait for it.
@@ -241,3 +247,41 @@ def test_delivery_before_landing_is_caught(monkeypatch):
   monkeypatch.setattr(schedule, "_comm_program", early)
   with pytest.raises(RuntimeError, match="before it landed"):
     schedule.simulate(num_ctas=8, num_devices=2, tiles_per_chunk=32, comm_ctas=2)
+
+
+@pytest.mark.parametrize("d", [2, 4, 8])
+@pytest.mark.parametrize("ctas,tiles", [(1, 1), (2, 5), (3, 32), (132, 32), (16, 7)])
+def test_pairs_deliver_every_warpgroup_tile_once(d, ctas, tiles):
+  # chunk_group 2: each warpgroup of a tile has its own destination; the owner's warpgroup
+  # r % 2 of every tile gets D - 1 signals, the other none; no deadlock (the remote half
+  # beside the own chunk signals at once: tests below).
+  result = schedule.simulate(num_ctas=ctas, num_devices=d, tiles_per_chunk=tiles, group=2)
+  sems = result["semaphores"]
+  for r in range(d):
+    for t in range(tiles):
+      assert sems.get((r, t, r % 2), 0) == d - 1
+      assert sems.get((r, t, 1 - r % 2), 0) == 0
+  reduces = [e for e in result["trace"] if e.kind == "reduce"]
+  assert sorted((e.rank, e.tile, e.wg) for e in reduces) == sorted(
+      (r, t, r % 2) for r in range(d) for t in range(tiles))
+
+
+def test_pairs_walk_every_chunk_once_own_pair_last():
+  d = 8
+  for r in range(d):
+    dsts = [schedule.wg_dst(r, s, wg, d, 2) for s in range(schedule.num_steps(d, 2))
+            for wg in (0, 1)]
+    assert sorted(dsts) == list(range(d))
+    assert r in dsts[-2:]  # the own pair last
+    # The group formula at g = 1 is the stagger of dst_offset.
+    assert all(schedule.wg_dst(r, s, 0, d, 1) == (r + schedule.dst_offset(s, d)) % d
+               for s in range(d))
+
+
+def test_pairs_remote_half_beside_the_own_chunk_announces_before_the_own_half_waits():
+  # body.deferred: deferred to the CTA's next tile, whose mainloop needs the own warpgroup
+  # (stuck in its owner wait), that signal would leave partners waiting in a cycle.
+  events = schedule.cta_program(0, 0, num_ctas=1, num_devices=2, tiles_per_chunk=2, group=2)
+  signal = [i for i, e in enumerate(events) if e.kind == "signal"]
+  wait = [i for i, e in enumerate(events) if e.kind == "wait"]
+  assert signal[0] < wait[0]  # the remote half announces before the own half waits

@@ -596,10 +596,16 @@ def test_tile_variants_keep_the_comm_path_and_fill_the_sms():
   for c in got:
     assert (c.comm_mode, c.comm_ctas, c.numerics) == ("pull", 2, "unfused_order")
     c.check_shape(m=512, n=6144, k_shard=8192, num_devices=2)
-  # A 64-row chunk (D = 8, M = 512) takes no tile of 128 rows.
+  # A 64-row chunk (D = 8, M = 512) takes 128-row tiles only as pairs of chunks (warpgroups
+  # along M, one chunk each), and only with the direct push.
   got = candidates.tile_variants(config_lib.Config(tile_m=64), m=512, n=8192, k_shard=1024,
                                  num_devices=8)
-  assert got and all(c.cta_tile_m == 64 for c in got)
+  assert any(c.cta_tile_m == 64 for c in got)
+  assert all(c.chunk_group(512, 8) == 2 for c in got if c.cta_tile_m == 128)
+  assert any(c.cta_tile_m == 128 for c in got)
+  pull = dataclasses.replace(config_lib.Config(tile_m=64), comm_ctas=2, comm_mode="pull")
+  assert all(c.cta_tile_m == 64 for c in candidates.tile_variants(
+      pull, m=512, n=8192, k_shard=1024, num_devices=8))
 
 
 def test_default_tiles_follow_the_wave_model():
@@ -611,7 +617,8 @@ def test_default_tiles_follow_the_wave_model():
   assert cfg(512, 8192, 2).wg_dimension == m_dim
   assert (cfg(512, 6144, 2).cta_tile_m, cfg(512, 6144, 2).cta_tile_n) == (128, 192)
   assert (cfg(2048, 6144, 2).cta_tile_m, cfg(2048, 6144, 2).cta_tile_n) == (128, 256)
-  assert cfg(512, 8192, 8).cta_tile_m == 64
+  # D = 8, M = 512: 64-row chunks in pairs under 128-row tiles (schedule.chunk_group).
+  assert cfg(512, 8192, 8).chunk_group(512, 8) == 2 and cfg(512, 8192, 8).cta_tile_m == 128
   # n that no 256- or 192-column tile divides still gets a valid config.
   c = cfg(512, 320, 2)
   c.check_shape(m=512, n=320, k_shard=1024, num_devices=2)

@@ -87,7 +87,12 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
   tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
   cta_tile_m, cta_tile_n = config.cta_tile_m, config.cta_tile_n
   epi_m, epi_n = config.epi_tile_m, config.epi_tile_n
-  m_iters, n_iters = chunk // cta_tile_m, n // cta_tile_n
+  # Chunks per CTA tile: 2 ("pairs") where a 64-row chunk is one warpgroup tile and the
+  # warpgroups stack along M, so each warpgroup's tile has its own destination.
+  group = config.chunk_group(m, d)
+  pairs = group == 2
+  steps = schedule.num_steps(d, group)
+  m_iters, n_iters = group * chunk // cta_tile_m, n // cta_tile_n
   tiles = m_iters * n_iters
   k_iters = k_shard // tile_k
   num_out_slots = config.num_out_slots
@@ -114,9 +119,9 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
     m_idx, n_idx = plgpu.planar_snake(tile, (m_iters, n_iters), config.grid_minor_dim,
                                       config.grid_tile_width)
     row0, col0 = m_idx * cta_tile_m, n_idx * cta_tile_n
-    if wg_m:
+    if wg_m and not pairs:
       row0 += wg_idx * tile_m
-    else:
+    elif not wg_m:
       col0 += wg_idx * tile_n
     return (m_idx, n_idx), (pl.ds(row0, tile_m), pl.ds(col0, tile_n))
 
@@ -164,14 +169,14 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
       def epi_slices(mi, ni):
         return slice(mi * epi_m, (mi + 1) * epi_m), slice(ni * epi_n, (ni + 1) * epi_n)
 
-      def announce(step, tile):
-        """Tells whoever moves the remote tile (step, tile) next that its stores have landed:
-        the owner (direct push: in its receive slot; pull: in this rank's staging buffer) or
-        this rank's comm CTAs (push from staging)."""
+      def announce(offset, tile):
+        """Tells whoever moves this warpgroup's remote tile `tile` (for the peer at `offset`)
+        next that its stores have landed: the owner (direct push: in its receive slot; pull: in
+        this rank's staging buffer) or this rank's comm CTAs (push from staging; slot offset - 1
+        is the step, as comm CTAs run only without pairs)."""
         if num_comm and not pull:
-          transport.signal_local(sems, rank, where.staged(step, tile, wg_idx))
+          transport.signal_local(sems, rank, where.staged(offset - 1, tile, wg_idx))
           return
-        offset = schedule.dst_offset(step, d)
         for o in range(1, d):  # Static peers: see transport.py.
           @pl.when(offset == o)
           def _():
@@ -239,10 +244,17 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
           summed.append(own.astype(out_dtype))
         return summed
 
+      def deferred(step, offset):
+        """Whether this warpgroup's tile at `step` (for the peer at `offset`) is announced at
+        the CTA's next epilogue: remote, not an eager slot, and (pairs) not sharing its tile
+        with the own chunk (the next tile would wait on the own warpgroup's owner wait)."""
+        lazy = (offset != 0) & (offset - 1 < first_eager)
+        return lazy & (step != steps - 1) if pairs else lazy
+
       def tile_body(lin_idx, local_step):
         step, tile = schedule.step_and_tile(lin_idx, tiles)
-        offset = schedule.dst_offset(step, d)
-        dst = lax.rem(rank + offset, d)
+        offset = schedule.wg_offset(rank, step, wg_idx, d, group)  # This warpgroup's peer.
+        first_dst = schedule.wg_dst(rank, step, 0, d, group)  # The tile's first chunk.
         (m_idx, n_idx), slices = tile_slices(tile, wg_idx)
         cta_n_slice = pl.ds(n_idx * cta_tile_n, cta_tile_n)
         # This warpgroup's part of the CTA's x and w blocks.
@@ -258,11 +270,12 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
             plgpu.wait_smem_to_gmem(0, wait_read_only=False)
             if d > 1 and comm_on:
               prev_step, prev_tile = schedule.step_and_tile(lin_idx - num_compute, tiles)
-              @pl.when((local_step > 0) & (prev_step < first_eager))
+              prev_offset = schedule.wg_offset(rank, prev_step, wg_idx, d, group)
+              @pl.when((local_step > 0) & deferred(prev_step, prev_offset))
               def _():
-                announce(prev_step, prev_tile)
+                announce(prev_offset, prev_tile)
 
-            is_own = step == schedule.own_step(d)
+            is_own = offset == 0
 
             @pl.when(is_own)
             @jax.named_scope("own_epilogue")
@@ -293,11 +306,16 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
                         dst_recv = transport.peer_recv(recv_gmem, rank, o)
                       store_tile(subs, send_smem,
                                  dst_recv.at[schedule.recv_slot(o - 1)].at[slices])
-                    if comm_on and o - 1 >= first_eager:
-                      # Offset o is computed at step o - 1 (static here). An eager step waits
-                      # for its store and announces the tile now (schedule.py).
+                    def announce_now(o=o):
                       plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-                      announce(o - 1, tile)
+                      announce(o, tile)
+
+                    # An eager slot (static: o - 1), or a pair's remote half beside the own
+                    # chunk, waits for its store and announces the tile now (deferred()).
+                    if comm_on and o - 1 >= first_eager:
+                      announce_now()
+                    elif comm_on and pairs:
+                      pl.when(step == steps - 1)(announce_now)
 
         def mma_body(_, x_smem, w_smem, acc_ref):
           plgpu.wgmma(acc_ref, x_smem.at[wg_x], w_smem.at[:, wg_w])
@@ -310,21 +328,22 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
             compute_context(lambda acc_ref: None)  # The epilogue of a tile of zeros.
         else:
           get_pipeline(mma_body, compute_context)(
-              x_gmem.at[pl.ds(dst * chunk + m_idx * cta_tile_m, cta_tile_m), :],
+              x_gmem.at[pl.ds(first_dst * chunk + m_idx * cta_tile_m, cta_tile_m), :],
               w_gmem.at[:, cta_n_slice],
               allocations=pipeline_allocs,
           )
 
-      total = d * tiles
+      total = steps * tiles
       count = _strided_loop(cta_index, num_compute, total, tile_body)
       # Announce this CTA's last tile if it went to a peer with a deferred signal.
       plgpu.wait_smem_to_gmem(0, wait_read_only=False)
       if d > 1 and comm_on:
         last_step, last_tile = schedule.step_and_tile(cta_index + (count - 1) * num_compute,
                                                       tiles)
-        @pl.when((wg_idx < _NUM_COMPUTE_WGS) & (count > 0) & (last_step < first_eager))
+        last_offset = schedule.wg_offset(rank, last_step, wg_idx, d, group)
+        @pl.when((wg_idx < _NUM_COMPUTE_WGS) & (count > 0) & deferred(last_step, last_offset))
         def _():
-          announce(last_step, last_tile)
+          announce(last_offset, last_tile)
 
   if num_comm and comm_on:
     ctx = comm_lib.CommContext(

@@ -7,6 +7,8 @@ from typing import Iterator
 
 from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu
 
+from pallas_rs.kernel import schedule
+
 MatmulDimension = hopper_matmul_mgpu.MatmulDimension
 
 # `shared_memory_per_block_optin` on H100/H200 (measured: 232448 on one H200).
@@ -157,6 +159,11 @@ class Config:
   def cta_tile_n(self) -> int:
     return cta_tile(self.tile_m, self.tile_n, self.wg_dimension)[1]
 
+  def chunk_group(self, m: int, num_devices: int) -> int:
+    """Row chunks (of m // num_devices rows) one CTA tile spans (schedule.chunk_group)."""
+    return schedule.chunk_group(m // num_devices, self.tile_m,
+                                self.wg_dimension == MatmulDimension.M, num_devices)
+
   @property
   def num_out_slots(self) -> int:
     sub_tiles = (self.tile_m * self.tile_n) // (self.epi_tile_m * self.epi_tile_n)
@@ -217,7 +224,14 @@ class Config:
     """Raises NotImplementedError if the kernel cannot take this (legal) problem with this config
     (`loopback`: on the one-GPU transport, whose D ranks share the GPU's CTAs)."""
     chunk = m // num_devices
-    if chunk % self.cta_tile_m:
+    if self.chunk_group(m, num_devices) == 2:
+      # Pairs: each warpgroup's tile has its own destination (docs/design.md section 3).
+      if self.comm_ctas or self.eager_signal_steps:
+        raise NotImplementedError(
+            f"a CTA tile over two {chunk}-row chunks (tile_m={self.tile_m}, wg_dimension=M) "
+            f"runs only with the direct push and deferred signals, got comm_ctas="
+            f"{self.comm_ctas}, eager_signal_steps={self.eager_signal_steps}")
+    elif chunk % self.cta_tile_m:
       raise NotImplementedError(
           f"m // num_devices = {m} // {num_devices} = {chunk} is not a multiple of "
           f"the CTA tile's {self.cta_tile_m} rows (tile_m={self.tile_m}, "
@@ -323,13 +337,15 @@ _DEFAULT_TILES = {(64, 256, MatmulDimension.M): 1.0, (64, 192, MatmulDimension.M
 
 def _default_tiles(chunk: int, n: int, num_devices: int, num_sms: int):
   """The CTA tile of least modelled time: waves (the D chunks' tiles over num_sms CTAs, rounded
-  up) x tile area x its relative cost (_DEFAULT_TILES); ties go to the earlier tile."""
+  up) x tile area x its relative cost (_DEFAULT_TILES); ties go to the earlier tile. A 128-row
+  tile over a pair of 64-row chunks (schedule.chunk_group) counts as one tile of the pair."""
   best = None
   for (tile_m, tile_n, wg), slowdown in _DEFAULT_TILES.items():
     cta_m, cta_n = cta_tile(tile_m, tile_n, wg)
-    if chunk % cta_m or n % cta_n:
+    group = schedule.chunk_group(chunk, tile_m, wg == MatmulDimension.M, num_devices)
+    if group * chunk % cta_m or n % cta_n:
       continue
-    tiles = num_devices * (chunk // cta_m) * (n // cta_n)
+    tiles = num_devices // group * (group * chunk // cta_m) * (n // cta_n)
     cost = -(-tiles // num_sms) * cta_m * cta_n * slowdown
     if best is None or cost < best[0]:
       best = (cost, (tile_m, tile_n, wg))

@@ -88,6 +88,33 @@ def dst_offset(step: Any, num_devices: int) -> Any:
   return (step + 1) % num_devices
 
 
+def chunk_group(chunk: int, tile_m: int, wg_along_m: bool, num_devices: int) -> int:
+  """Row chunks one CTA tile spans: 2 where the warpgroups stack along M and each is a whole
+  chunk high (a 128-row tile over the 64-row chunks of ranks 2p and 2p + 1, one warpgroup
+  each: "pairs", D = 8 at M = 512; D even), else 1."""
+  pairs = wg_along_m and tile_m == chunk and num_devices % 2 == 0
+  return 2 if pairs else 1
+
+
+def num_steps(num_devices: int, group: int = 1) -> int:
+  """Steps of a rank's walk: one per chunk group, its own group last."""
+  return num_devices // group
+
+
+def wg_dst(rank: Any, step: Any, wg: Any, num_devices: int, group: int = 1) -> Any:
+  """Destination rank of warpgroup `wg`'s tile at `step`: chunk group (rank // g + step + 1)
+  mod D / g (the stagger), and in it the warpgroup's own chunk (g = 2) or the group's one
+  chunk (g = 1, both warpgroups: `(rank + dst_offset(step)) % D`)."""
+  groups = num_devices // group
+  first = (rank // group + step + 1) % groups * group
+  return first + wg if group == 2 else first
+
+
+def wg_offset(rank: Any, step: Any, wg: Any, num_devices: int, group: int = 1) -> Any:
+  """Offset of `wg_dst` from `rank` (0: the own chunk; o > 0: receive slot o - 1)."""
+  return (wg_dst(rank, step, wg, num_devices, group) - rank) % num_devices
+
+
 def recv_slot(step: int) -> int:
   """Receive slot written at a remote `step` (equal to offset - 1)."""
   return step
@@ -124,6 +151,8 @@ class Event:
     "stage" (with comm CTAs: TMA store of a remote tile into the rank's own staging slot
       `slot`), "signal_staged" (one increment of the rank's staged semaphore
       `(slot, tile, wg)` per compute warpgroup), "wait_staged" (a comm CTA waits for it).
+  With chunk pairs (group 2) the two warpgroups of a tile have different destinations: each
+  store, signal, wait and reduce names its warpgroup.
   """
   kind: str
   rank: int
@@ -133,6 +162,7 @@ class Event:
   dst: int
   slot: int = -1
   target: int = 0
+  wg: int = -1  # the compute warpgroup it concerns; -1: both (the same tile, the same peer)
 
 
 def cta_tiles(cta: int, num_ctas: int, num_devices: int, tiles_per_chunk: int) -> list[int]:
@@ -141,52 +171,57 @@ def cta_tiles(cta: int, num_ctas: int, num_devices: int, tiles_per_chunk: int) -
 
 def cta_program(rank: int, cta: int, *, num_ctas: int, num_devices: int,
                 tiles_per_chunk: int, eager_signal_steps: int = 0,
-                comm_ctas: int = 0, pull: bool = False) -> list[Event]:
-  """The ordered events of CTA `cta` of `num_ctas` (a rank's whole grid), mirroring kernel.py.
+                comm_ctas: int = 0, pull: bool = False, group: int = 1) -> list[Event]:
+  """The ordered events of CTA `cta` of `num_ctas` (a rank's whole grid), mirroring body.py.
   Events name the CTA by its grid index; a compute CTA picks its tiles by its index among the
-  compute CTAs."""
+  compute CTAs. `group`: chunks per CTA tile (`chunk_group`; 2 only with the direct push)."""
   d = num_devices
   staged = bool(comm_ctas) and d > 1
   if staged and cta < comm_ctas:
     program = _pull_program if pull else _comm_program
     return program(rank, cta, comm_ctas=comm_ctas, num_devices=d,
-                         tiles_per_chunk=tiles_per_chunk)
+                   tiles_per_chunk=tiles_per_chunk)
   first = comm_ctas if staged else 0  # Compute CTAs are the grid's CTAs first, first + 1, ...
   first_eager = first_eager_step(d, eager_signal_steps)
-  deferred = lambda e: e is not None and e.step < first_eager  # A remote, lazy signal.
+  last = num_steps(d, group) - 1
+  # A remote tile's signal waits for the CTA's next tile unless its slot signals eagerly, or
+  # (pairs) it shares its tile with the own chunk: the next tile's mainloop needs the own
+  # warpgroup, which waits for the peers; their partner warpgroups, for this signal.
+  deferred = lambda e: 0 <= e.slot < first_eager and not (group == 2 and e.step == last)
 
   def announce(e):
     if staged:
       # Push: this rank's comm CTAs move it; pull: the owner's do.
       return Event("signal_staged", rank, cta, e.step, e.tile, e.dst if pull else rank, e.slot)
-    return Event("signal", rank, cta, e.step, e.tile, e.dst, e.slot)
+    return Event("signal", rank, cta, e.step, e.tile, e.dst, e.slot, wg=e.wg)
 
-  events = []
-  prev = None
-  for lin in cta_tiles(cta - first, num_ctas - first, d, tiles_per_chunk):
+  events, prev = [], []
+  for lin in cta_tiles(cta - first, num_ctas - first, num_steps(d, group), tiles_per_chunk):
     step, tile = step_and_tile(lin, tiles_per_chunk)
-    dst = (rank + dst_offset(step, d)) % d
-    events.append(Event("compute", rank, cta, step, tile, dst))
-    if deferred(prev):
-      events.append(announce(prev))
-    if step == own_step(d):
-      if staged:  # One wait per slot: tile // n + 1 tiles delivered by comm CTA tile % n.
-        events += [Event("wait_delivered", rank, cta, step, tile, rank, slot,
-                         target=tile // comm_ctas + 1) for slot in range(d - 1)]
-      elif d > 1:
-        events.append(Event("wait", rank, cta, step, tile, rank, target=d - 1))
-      events.append(Event("reduce", rank, cta, step, tile, rank))
-      prev = Event("store", rank, cta, step, tile, rank)
-    else:
-      if staged:
-        prev = Event("stage", rank, cta, step, tile, dst, recv_slot(step))
-      else:
-        prev = Event("store", rank, cta, step, tile, dst, recv_slot(step))
-      events.append(prev)
-      if not deferred(prev):
-        events.append(announce(prev))
-  if deferred(prev):
-    events.append(announce(prev))
+    events.append(Event("compute", rank, cta, step, tile, wg_dst(rank, step, 0, d, group)))
+    events += [announce(e) for e in prev if deferred(e)]
+    prev = []
+    # The warpgroups that share a destination: both (group 1), or each on its own (pairs; the
+    # remote one first: they run concurrently and it never waits).
+    parts = [-1] if group == 1 else sorted(
+        (0, 1), key=lambda wg: wg_dst(rank, step, wg, d, group) == rank)
+    for wg in parts:
+      dst = wg_dst(rank, step, max(wg, 0), d, group)
+      slot = (dst - rank) % d - 1
+      if slot < 0:  # The own chunk.
+        if staged:  # One wait per slot: tile // n + 1 tiles delivered by comm CTA tile % n.
+          events += [Event("wait_delivered", rank, cta, step, tile, rank, j,
+                           target=tile // comm_ctas + 1) for j in range(d - 1)]
+        elif d > 1:
+          events.append(Event("wait", rank, cta, step, tile, rank, target=d - 1, wg=wg))
+        events.append(Event("reduce", rank, cta, step, tile, rank, wg=wg))
+        continue
+      e = Event("stage" if staged else "store", rank, cta, step, tile, dst, slot, wg=wg)
+      events.append(e)
+      prev.append(e)
+      if not deferred(e):
+        events.append(announce(e))
+  events += [announce(e) for e in prev if deferred(e)]
   return events
 
 
@@ -276,16 +311,16 @@ def comm_reuse_wait(sets: int) -> int:
 
 def rank_programs(rank: int, *, num_ctas: int, num_devices: int, tiles_per_chunk: int,
                   eager_signal_steps: int = 0, comm_ctas: int = 0,
-                  pull: bool = False) -> list[list[Event]]:
+                  pull: bool = False, group: int = 1) -> list[list[Event]]:
   return [cta_program(rank, c, num_ctas=num_ctas, num_devices=num_devices,
                       tiles_per_chunk=tiles_per_chunk, eager_signal_steps=eager_signal_steps,
-                      comm_ctas=comm_ctas, pull=pull)
+                      comm_ctas=comm_ctas, pull=pull, group=group)
           for c in range(num_ctas)]
 
 
 def simulate(*, num_ctas: int, num_devices: int, tiles_per_chunk: int,
              eager_signal_steps: int = 0, comm_ctas: int = 0,
-             pull: bool = False) -> dict[str, Any]:
+             pull: bool = False, group: int = 1) -> dict[str, Any]:
   """Runs every CTA of every rank as a sequential process, round-robin.
 
   Models the co-resident persistent grid the kernel requires (fused.check_supported keeps
@@ -301,21 +336,23 @@ def simulate(*, num_ctas: int, num_devices: int, tiles_per_chunk: int,
   programs = {(r, c): prog for r in range(d)
               for c, prog in enumerate(rank_programs(
                   r, num_ctas=num_ctas, num_devices=d, tiles_per_chunk=tiles_per_chunk,
-                  eager_signal_steps=eager_signal_steps, comm_ctas=comm_ctas, pull=pull))}
+                  eager_signal_steps=eager_signal_steps, comm_ctas=comm_ctas, pull=pull,
+                  group=group))}
   pcs = {key: 0 for key in programs}
   sems: dict[tuple, int] = {}
-  landed: set[tuple[int, int, int]] = set()  # (dst, slot, tile) stores that completed
+  landed: set[tuple[int, int, int, int]] = set()  # (dst, slot, tile, wg) stores that completed
   staged: set[tuple[int, int, int]] = set()  # (rank, slot, tile) tiles in staging
   trace = []
   pending = sum(len(p) for p in programs.values())
   wgs = range(NUM_COMPUTE_WGS)
+  wgs_of = lambda ev: wgs if ev.wg < 0 else (ev.wg,)
   while pending:
     progressed = False
     for key, prog in programs.items():
       while pcs[key] < len(prog):
         ev = prog[pcs[key]]
         if ev.kind == "wait":
-          if any(sems.get((ev.rank, ev.tile, wg), 0) < ev.target for wg in wgs):
+          if any(sems.get((ev.rank, ev.tile, wg), 0) < ev.target for wg in wgs_of(ev)):
             break
         elif ev.kind == "wait_delivered":
           c = ev.tile % comm_ctas
@@ -330,7 +367,7 @@ def simulate(*, num_ctas: int, num_devices: int, tiles_per_chunk: int,
                                f"rank {ev.dst} before it was staged")
           if ("done", ev.dst) in sems and sems[("done", ev.dst)] >= done_target:
             raise RuntimeError(f"rank {ev.rank} reads rank {ev.dst}'s staging after it exited")
-          landed.add((ev.rank, ev.slot, ev.tile))
+          landed.update((ev.rank, ev.slot, ev.tile, wg) for wg in wgs)
         elif ev.kind == "signal_done":
           sems[("done", ev.dst)] = sems.get(("done", ev.dst), 0) + len(wgs)
         elif ev.kind == "wait_staged":
@@ -339,7 +376,7 @@ def simulate(*, num_ctas: int, num_devices: int, tiles_per_chunk: int,
             break
         elif ev.kind == "reduce":
           for slot in range(d - 1):
-            if (ev.rank, slot, ev.tile) not in landed:
+            if any((ev.rank, slot, ev.tile, wg) not in landed for wg in wgs_of(ev)):
               raise RuntimeError(f"rank {ev.rank} reads slot {slot} of tile {ev.tile} "
                                  "before it was written")
         elif ev.kind == "stage":
@@ -349,18 +386,18 @@ def simulate(*, num_ctas: int, num_devices: int, tiles_per_chunk: int,
             raise RuntimeError(f"rank {ev.rank} pushes tile {ev.tile} of slot {ev.slot} "
                                "before it was staged")
           # The store lands before its signal (wait_smem_to_gmem precedes the signal).
-          landed.add((ev.dst, ev.slot, ev.tile))
+          landed.update((ev.dst, ev.slot, ev.tile, wg) for wg in wgs_of(ev))
         elif ev.kind == "signal":
-          if (ev.dst, ev.slot, ev.tile) not in landed:
-            raise RuntimeError(f"rank {ev.rank} signals tile {ev.tile} before it landed")
-          for wg in wgs:
+          for wg in wgs_of(ev):
+            if (ev.dst, ev.slot, ev.tile, wg) not in landed:
+              raise RuntimeError(f"rank {ev.rank} signals tile {ev.tile} before it landed")
             sems[(ev.dst, ev.tile, wg)] = sems.get((ev.dst, ev.tile, wg), 0) + 1
         elif ev.kind == "deliver":
           for wg in wgs:
             k = ("delivered", ev.dst, ev.slot, ev.cta, wg)
             first = sems.get(k, 0)
             for q in range(first, first + ev.target):
-              if (ev.dst, ev.slot, ev.cta + q * comm_ctas) not in landed:
+              if (ev.dst, ev.slot, ev.cta + q * comm_ctas, wg) not in landed:
                 raise RuntimeError(f"rank {ev.rank} delivers tile {ev.cta + q * comm_ctas} "
                                    "before it landed")
             sems[k] = first + ev.target
