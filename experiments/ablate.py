@@ -13,8 +13,13 @@ loads and adds of received partials), both ("neither": the GEMM core and its loc
 plus XLA's dot alone (T_gemm) and dot + psum_scatter (T_seq).
 Differences give the exposed cost of each stage (BUILD_NOTES "What to try first"). On several
 GPUs this runs the NVLink path over all of them (D = GPU count); on one GPU the loopback at
---num_devices virtual ranks, where "communication" is a local copy. Only the unablated kernel's
-output is checked (the ablated ones are wrong by construction).
+--num_devices virtual ranks, where "communication" is a local copy, or with --alone one rank's
+program of a --num_devices-device call on all of the GPU's SMs (`fused.rank_alone`: the
+ablations without communication only; XLA's dot of that rank's GEMM as the baseline):
+
+  ... ablate.py --alone --num_devices=8 --names=llama70b_o_proj_m512 --ablations=no_comm,neither
+
+Only the unablated kernel's output is checked (the ablated ones are wrong by construction).
 """
 from __future__ import annotations
 
@@ -33,6 +38,9 @@ from absl import flags
 _NAMES = flags.DEFINE_list("names", ["llama70b_o_proj_m512", "mixtral8x22b_w2_m2048"],
                            "Seed shape names (pallas_rs.shapes).")
 _NUM_DEVICES = flags.DEFINE_integer("num_devices", 8, "Loopback (one GPU): virtual ranks.")
+_ALONE = flags.DEFINE_bool("alone", False, "One GPU: rank --rank of a --num_devices-device call "
+                           "alone on the GPU (fused.rank_alone) instead of the loopback.")
+_RANK = flags.DEFINE_integer("rank", 0, "--alone: which rank's program.")
 _ITERS = flags.DEFINE_integer("iterations", 100, "Timed iterations per variant.")
 _OUT = flags.DEFINE_string("out", "", "JSON output path; default experiments/out/"
                            "ablate_<mode>.json (git-ignored).")
@@ -66,7 +74,11 @@ def main(argv):
     raise app.UsageError(f"--ablations: {sorted(bad)} not in {list(VARIANTS)}")
   require_gpu(jax)
   gpus = jax.devices()
-  nvlink = len(gpus) >= 2
+  nvlink = len(gpus) >= 2 and not _ALONE.value
+  if _ALONE.value:
+    peers = [label for label in _ABLATIONS.value if "comm" not in VARIANTS[label]]
+    if peers:
+      raise app.UsageError(f"--alone runs without peers: drop {peers} from --ablations")
   rows = []
   out = Path(_OUT.value) if _OUT.value else bench_env.default_out(f"ablate_{mode}.json")
   environment = bench_env.environment_block(sys.argv)
@@ -78,8 +90,17 @@ def main(argv):
     case = shapes.by_name(name)
     d = len(gpus) if nvlink else _NUM_DEVICES.value
     m, n, k_shard = case.m, case.n, case.k // d
-    row = dict(name=name, d=d, transport="nvlink" if nvlink else "loopback", times_us={})
-    if nvlink:
+    transport = "nvlink" if nvlink else "alone" if _ALONE.value else "loopback"
+    row = dict(name=name, d=d, transport=transport, times_us={})
+    if transport == "alone":
+      row["rank"] = _RANK.value
+      args = testing.generate(0, m, k_shard, n)
+      build = lambda ablate, cfg: jax.jit(functools.partial(
+          fused.rank_alone, num_devices=d, rank=_RANK.value, ablate=ablate, config=cfg))
+      baselines = {"xla_gemm": jax.jit(
+          lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(a.dtype))}
+      check = None
+    elif nvlink:
       mesh = jax.make_mesh((d,), ("tp",), devices=gpus[:d])
       specs = dict(mesh=mesh, in_specs=(P(None, "tp"), P("tp", None)),
                    out_specs=P("tp", None), check_vma=False)
@@ -112,7 +133,7 @@ def main(argv):
       cfg = variant_config(base, cname)
       try:  # The kernel's own check, as its entry point will run it.
         fused.check_supported(m=m, k_shard=k_shard, n=n, dtype=args[0].dtype, num_devices=d,
-                              config=cfg, loopback=not nvlink)
+                              config=cfg, loopback=transport == "loopback")
       except NotImplementedError as e:
         row["configs"][cname] = f"unavailable: {e}"
         continue

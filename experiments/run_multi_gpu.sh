@@ -15,6 +15,7 @@
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh smallm_proxy8  # the same at D = 8's k_shard
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh timeline # M = 512/2048: per-call phase timeline (profiler)
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh tiles    # M = 512/2048 (seed, proxy8): retune the CTA tile
+#   OUT=/tmp/mg bash experiments/run_multi_gpu.sh alone    # one GPU is enough: one rank's program alone
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_ALLOCATOR=default
 out=${OUT:-/tmp/mg}; mkdir -p "$out"
@@ -91,6 +92,23 @@ llama70b_o_proj_m512,llama70b_o_proj_m32768,mixtral8x22b_w2_m2048,llama70b_down_
     timeout 540 python3 experiments/ablate.py --names="$names" --iterations=50 \
       --configs=table,t64x256_wm,t64x192_wm,t64x128 --ablations=fused,neither \
       --out="$out/ablate_$1.json" 2>&1 | quiet | tail -75 ;;
+  alone)
+    # Issue 19 on one GPU: one rank's program of a D-device call alone on all SMs
+    # (fused.rank_alone: no NVLink, no waits, no barrier): its GEMM core ("neither") and with its
+    # local stores and owner loads ("no_comm") against XLA's dot of the same per-GPU GEMM, at
+    # M = 512/2048, D = 2 (seed and proxy8 k_shard) and D = 8 (the pairs walk at M = 512).
+    seed=""; proxy=""
+    for p in llama70b_o_proj llama70b_down_proj mixtral8x22b_o_proj mixtral8x22b_w2; do
+      for m in 512 2048; do
+        seed="$seed${seed:+,}${p}_m${m}"; proxy="$proxy${proxy:+,}${p}_m${m}_proxy8"
+      done
+    done
+    timeout 350 python3 experiments/ablate.py --alone --num_devices=2 --names="$seed,$proxy" \
+      --iterations=50 --configs=table,t64x256_wm,t64x192_wm --ablations=no_comm,neither \
+      --out="$out/ablate_alone_d2.json" 2>&1 | quiet | tail -90
+    timeout 220 python3 experiments/ablate.py --alone --num_devices=8 --names="$seed" \
+      --iterations=50 --configs=table,t64x128_wn,t64x192_wm --ablations=no_comm,neither \
+      --out="$out/ablate_alone_d8.json" 2>&1 | quiet | tail -50 ;;
   tiles)
     # Issue 19: each M = 512 / 2048 shape's incumbent config with every CTA tile shape of
     # candidates.tile_variants (the M split's 128 x 256 / 128 x 192 / 128 x 128 among them),
@@ -109,6 +127,6 @@ llama70b_o_proj_m512,llama70b_o_proj_m32768,mixtral8x22b_w2_m2048,llama70b_down_
       --names=llama70b_o_proj_m512,llama70b_down_proj_m512,mixtral8x22b_o_proj_m512,\
 mixtral8x22b_w2_m512,llama70b_o_proj_m2048,mixtral8x22b_o_proj_m2048 \
       --out="$out/timeline.json" 2>&1 | quiet | tail -20 ;;
-  *) echo "usage: $0 check|sweep|proxy8|ablate|probe|numerics|model|roofline|mesh2d|smallm|smallm_proxy8|timeline|tiles|ag" >&2
+  *) echo "usage: $0 check|sweep|proxy8|ablate|probe|numerics|model|roofline|mesh2d|smallm|smallm_proxy8|timeline|tiles|ag|alone" >&2
      exit 2 ;;
 esac

@@ -33,3 +33,33 @@ def test_ablate_script_plumbing(tmp_path):
   assert set(row["max_rel_error"]) == {"fused", "t64x128:fused"}
   assert max(row["max_rel_error"].values()) < 2.0**-7
   assert result["environment"]["jax_version"]
+
+
+ALONE_STAND_IN = """
+import jax.numpy as jnp
+def rank_alone(x, w, *, num_devices, rank=0, config=None, ablate=("comm",)):
+  assert "comm" in ablate
+  chunk = x.shape[0] // num_devices
+  return jnp.dot(x[rank * chunk:(rank + 1) * chunk], w)
+fused.rank_alone = rank_alone
+"""
+
+
+@pytest.mark.slow  # ~30 s on 2 CPU cores: the slow layer (tests/conftest.py).
+def test_ablate_script_alone(tmp_path):
+  out = tmp_path / "ablate.json"
+  args = ["--alone", "--num_devices=8", "--rank=3", "--names=llama70b_o_proj_m512",
+          "--iterations=2", f"--out={out}", "--configs=table", "--ablations=no_comm,neither"]
+  proc = helpers.run_script_with_stand_ins(
+      "ablate.py", args, stand_ins=ALONE_STAND_IN,
+      after_load="mod.require_gpu = lambda jax: None")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  (row,) = json.loads(out.read_text())["rows"]
+  assert (row["d"], row["rank"], row["transport"]) == (8, 3, "alone")
+  assert set(row["times_us"]) == {"no_comm", "neither", "xla_gemm"}
+  assert "max_rel_error" not in row  # nothing unablated to check
+  # An ablation that needs peers is refused before anything runs.
+  proc = helpers.run_script_with_stand_ins(
+      "ablate.py", args[:-1] + ["--ablations=fused,neither"], stand_ins=ALONE_STAND_IN,
+      after_load="mod.require_gpu = lambda jax: None")
+  assert proc.returncode != 0 and "drop ['fused']" in proc.stderr

@@ -1,5 +1,6 @@
 """The kernel body at D = 1 in Mosaic GPU's interpret mode on CPU (no semaphores or remote refs
-there, so D > 1 is covered by the schedule simulation, lowering, and the GPU tests).
+there, so D > 1 is covered by the schedule simulation, lowering, and the GPU tests), and one
+rank's D > 1 program alone (`fused.rank_alone`: its GEMM core, no peers).
 
 Checks the persistent tile loop (CTA striding, snake order) and the epilogue numerically, with
 uninitialised memory poisoned to NaN so an unwritten output tile fails.
@@ -36,4 +37,30 @@ def test_local_matmul_interpret(cfg, m, k, n):
   ref = np.asarray(x, np.float32).astype(np.float64) @ np.asarray(w, np.float32).astype(np.float64)
   assert not np.isnan(out).any(), "an output tile was never written"
   # One bf16 rounding of an fp32-accumulated product: |err| <= 2^-8 |value| (+ fp32 noise).
+  assert np.max(np.abs(out - ref) / (np.abs(ref) + 1e-3 * np.abs(ref).max())) <= 2.0**-8 * 1.01
+
+
+# One rank of D alone, the "neither" ablation: its output is its own chunk's partial, x[chunk] @ w,
+# written by the D > 1 tile walk (the own chunk last). D = 4 with 64-row chunks and the
+# warpgroups along M is the pairs walk (a CTA tile over two ranks' chunks, each warpgroup its
+# own destination; rank 3's own chunk shares a tile with rank 2's).
+@pytest.mark.parametrize("d,rank,cfg", [
+    (4, 3, config_lib.Config(tile_m=64, tile_n=64, wg_dimension=M.M, max_concurrent_steps=2,
+                             num_sms=3)),
+    # ~12 s in interpret mode on 2 CPU cores: the slow layer (tests/conftest.py).
+    pytest.param(2, 1, config_lib.Config(tile_m=64, tile_n=64, max_concurrent_steps=2, num_sms=3),
+                 marks=pytest.mark.slow),
+])
+def test_rank_alone_gemm_core_interpret(d, rank, cfg):
+  m, k, n = 256, 64, 128
+  x, w = testing.generate(rank + 10 * d, m, k, n)
+  assert cfg.chunk_group(m, d) == (2 if d == 4 else 1)
+  params = interpret.InterpretGPUParams(uninitialized_memory="nan")
+  with interpret.force_gpu_interpret_mode(params):
+    out = fused.rank_alone(x, w, num_devices=d, rank=rank, config=cfg, ablate=("comm", "reduce"))
+  out = np.asarray(out.astype(jnp.float32))
+  chunk = slice(rank * m // d, (rank + 1) * m // d)
+  ref = (np.asarray(x, np.float32).astype(np.float64)[chunk]
+         @ np.asarray(w, np.float32).astype(np.float64))
+  assert not np.isnan(out).any(), "an output tile was never written"
   assert np.max(np.abs(out - ref) / (np.abs(ref) + 1e-3 * np.abs(ref).max())) <= 2.0**-8 * 1.01

@@ -70,6 +70,35 @@ def test_loopback_and_local_lower(d):
   jax.export.export(jax.jit(fused.local_matmul), platforms=["cuda"])(x, w)
 
 
+# One rank alone (timing on one GPU): the default configs of D = 2 and of D = 8 at 64-row chunks
+# (pairs), and pushing comm CTAs (idle under the "comm" ablation), each with and without "reduce".
+@pytest.mark.parametrize("d,m,n,k_shard,config", [
+    (2, 512, 8192, 4096, None), (8, 512, 8192, 1024, None),
+    (2, 2048, 6144, 1024, config_lib.Config(comm_ctas=4, comm_mode="push"))])
+def test_rank_alone_lowers(d, m, n, k_shard, config):
+  x = jax.ShapeDtypeStruct((m, k_shard), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((k_shard, n), jnp.bfloat16)
+  for ablate in (("comm",), ("comm", "reduce")):
+    f = functools.partial(fused.rank_alone, num_devices=d, rank=d - 1, config=config,
+                          ablate=ablate)
+    exported = jax.export.export(jax.jit(f), platforms=["cuda"])(x, w)
+    assert exported.out_avals[0].shape == (m // d, n)
+    assert "mosaic_gpu" in exported.mlir_module()
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(num_devices=2, ablate=()), "must contain 'comm'"),
+    (dict(num_devices=2, ablate=("reduce",)), "must contain 'comm'"),
+    (dict(num_devices=2, rank=2), "0 <= rank < num_devices"),
+    (dict(num_devices=1), "2 <= num_devices"),
+])
+def test_rank_alone_refuses(kwargs, match):
+  x = jnp.zeros((512, 256), jnp.bfloat16)
+  w = jnp.zeros((256, 512), jnp.bfloat16)
+  with pytest.raises(ValueError, match=match):
+    fused.rank_alone(x, w, **kwargs)
+
+
 def test_smem_estimate_agrees_with_mosaic(monkeypatch):
   # Over the limit per our estimate; with our check bypassed, Mosaic rejects it too.
   cfg = config_lib.Config(tile_m=128, tile_n=128, max_concurrent_steps=5)

@@ -2,7 +2,8 @@
 
 `fused_matmul_reduce_scatter` runs inside shard_map on real devices (NVLink transport);
 `loopback_matmul_reduce_scatter` runs the same protocol with D virtual ranks on one GPU;
-`local_matmul` is the kernel at D = 1 (no communication).
+`local_matmul` is the kernel at D = 1 (no communication); `rank_alone` times one rank's share
+of a D-device call on one GPU.
 """
 from __future__ import annotations
 
@@ -283,3 +284,29 @@ def loopback_matmul_reduce_scatter(xs, ws, *, config: Config | None = None,
   f = _build(transport_lib.LoopbackTransport(d), out_type=out_type, config=config,
              num_devices=d, name="pallas_rs_loopback", skip=_skip(ablate))
   return f(xs, ws)[0]
+
+
+def rank_alone(x, w, *, num_devices: int, rank: int = 0, config: Config | None = None,
+               ablate=("comm",)) -> jax.Array:
+  """Timing only, on one GPU: rank `rank`'s program of the D-device kernel on all of this GPU's
+  CTAs, outside shard_map and with no peers: x [m, k_shard], w [k_shard, n] -> [m // D, n]
+  (not the reduce-scatter). `ablate` must contain "comm" (every partial tile is stored into this
+  rank's own buffers; nothing is signalled or awaited); with "reduce" too it is the GEMM core in
+  the kernel's chunked tile walk. So it measures a GPU of a D-device run without NVLink, the
+  waits and XLA's barrier before a collective kernel: with the chunk, tile and pair structure
+  of D devices, which `local_matmul` (D = 1) lacks."""
+  skip = _skip(ablate)
+  if "comm" not in skip:
+    raise ValueError(f"rank_alone runs without peers: ablate must contain 'comm', got {ablate=}")
+  if not 2 <= num_devices <= MAX_DEVICES or not 0 <= rank < num_devices:
+    raise ValueError(f"rank_alone needs 2 <= num_devices <= {MAX_DEVICES} and 0 <= rank < "
+                     f"num_devices, got {num_devices=}, {rank=}")
+  m, k_shard = x.shape
+  n = w.shape[1]
+  config = _checked(config, m=m, k_shard=k_shard, n=n, dtype=x.dtype, num_devices=num_devices)
+  chunk = m // num_devices
+  out_type = (jax.ShapeDtypeStruct((chunk, n), x.dtype),
+              *_exchange_buffers((), num_devices, chunk, n, config))
+  f = _build(transport_lib.AloneTransport("_alone", num_devices, rank), out_type=out_type,
+             config=config, num_devices=num_devices, name="pallas_rs_rank_alone", skip=skip)
+  return f(x, w)[0]

@@ -1,6 +1,7 @@
 """How ranks reach each other: real devices over NVLink, or virtual ranks on one GPU.
 
-Both expose the same small interface to kernel.py (docs/design.md section 4). Peers are always
+Both expose the same small interface to body.py (docs/design.md section 4); a third,
+AloneTransport, runs one rank's program with no peers, for timing on one GPU. Peers are always
 named by a *static* offset `o` (destination `(rank + o) % D`), because a TMA store to a peer
 builds its descriptor on the host, which can only recompute the peer id from arithmetic on
 `lax.axis_index`.
@@ -17,6 +18,7 @@ import dataclasses
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 from jax import lax
+import jax.numpy as jnp
 
 from pallas_rs.kernel.schedule import NUM_COMPUTE_WGS
 
@@ -121,3 +123,25 @@ class LoopbackTransport:
   def wait(self, sems, rank, idx, value, *, local: bool = False):
     plgpu.semaphore_wait(sems.at[(rank, *idx)], value, decrement=False,
                          memory_scope="gpu" if local else "sys")
+
+
+@dataclasses.dataclass(frozen=True)
+class AloneTransport(NVLinkTransport):
+  """Timing only: rank `rank_index` of D, alone on one GPU with all of its CTAs, as it would run
+  on a node, with no peers. Only the kernel's "comm" ablation runs on it (every partial stays
+  in this rank's own buffers; no signal, wait or remote reference), so what it times is one
+  GPU's share of a D-device call without NVLink, its waits and XLA's barrier
+  (`fused.rank_alone`). Kernel arguments as NVLinkTransport's."""
+  rank_index: int = 0
+
+  def rank(self):
+    return jnp.int32(self.rank_index)
+
+  def _device_id(self, rank, offset: int):
+    raise AssertionError("AloneTransport has no peers: the kernel must run with ablate 'comm'")
+
+  def signal(self, sems, rank, offset: int, idx, inc=1):
+    self._device_id(rank, offset)
+
+  def wait(self, sems, rank, idx, value, *, local: bool = False):
+    raise AssertionError("AloneTransport has no peers: the kernel must run with ablate 'comm'")
