@@ -25,7 +25,8 @@ def variant_config(base, name: str):
   """The config of a variant name, "_"-separated tokens applied to `base`: v1 (as is: the
   direct push), cN (N comm CTAs pushing), pN (N comm CTAs pulling), oN (N epilogue SMEM
   slots), tMxN (warpgroup tile M x N: tile_m, tile_n), wm / wn (the two warpgroup tiles side by
-  side along M / N: config.wg_dimension), sK (K pipeline steps), f32 / bf16
+  side along M / N: config.wg_dimension), sK (K pipeline steps), rK (K receive prefetch stages
+  of the owner's sum: recv_stages), eK (epilogue sub-tiles K columns wide), f32 / bf16
   (partial dtype), ring (numerics mode "unfused_order"); then fitted to SMEM at D = 2
   (`config.fit_smem`). "table" is accepted as a no-op (the base is the table's config)."""
   from pallas_rs.kernel import config as config_lib  # pylint: disable=g-import-not-at-top
@@ -45,6 +46,10 @@ def variant_config(base, name: str):
       cfg = dataclasses.replace(cfg, wg_dimension=config_lib.MatmulDimension[token[1].upper()])
     elif token[0] == "s" and token[1:].isdigit():
       cfg = dataclasses.replace(cfg, max_concurrent_steps=int(token[1:]))
+    elif token[0] == "r" and token[1:].isdigit():
+      cfg = dataclasses.replace(cfg, recv_stages=int(token[1:]))
+    elif token[0] == "e" and token[1:].isdigit():
+      cfg = dataclasses.replace(cfg, epi_tile_n=int(token[1:]))
     elif token[0] in "cpo" and token[1:].isdigit():
       field = "out_slots" if token[0] == "o" else "comm_ctas"
       cfg = dataclasses.replace(cfg, **{field: int(token[1:])})

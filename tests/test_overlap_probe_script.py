@@ -38,6 +38,8 @@ def test_variant_names(overlap_probe):
   assert (t.tile_m, t.tile_n, t.comm_ctas, t.comm_mode) == (64, 128, 8, "pull")
   assert t.max_concurrent_steps <= 4 and t.fits_smem(2)
   assert overlap_probe.variant_config(base, "table") == base
+  r = overlap_probe.variant_config(base, "r6_s2_e64")
+  assert (r.recv_stages, r.max_concurrent_steps, r.epi_tile_n) == (6, 2, 64) and r.fits_smem(2)
   with pytest.raises(ValueError, match="unknown variant token"):
     overlap_probe.variant_config(base, "x9")
 
