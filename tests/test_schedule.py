@@ -285,3 +285,46 @@ def test_pairs_remote_half_beside_the_own_chunk_announces_before_the_own_half_wa
   signal = [i for i, e in enumerate(events) if e.kind == "signal"]
   wait = [i for i, e in enumerate(events) if e.kind == "wait"]
   assert signal[0] < wait[0]  # the remote half announces before the own half waits
+
+
+# owner_spread: the own tiles store their own partial and signal it locally; after the tile
+# loop every compute warpgroup sums its share of the own chunk's sub-tiles (waiting for D).
+@pytest.mark.parametrize("d", [2, 4, 8])
+@pytest.mark.parametrize("ctas,tiles,subs", [(1, 1, 1), (2, 5, 4), (3, 32, 2), (132, 32, 4),
+                                             (16, 7, 8)])
+@pytest.mark.parametrize("group", [1, 2])
+def test_owner_spread_sums_every_own_sub_tile_once(d, ctas, tiles, subs, group):
+  result = schedule.simulate(num_ctas=ctas, num_devices=d, tiles_per_chunk=tiles, group=group,
+                             spread_subs=subs)
+  sems, trace = result["semaphores"], result["trace"]
+  parts = (0, 1) if group == 1 else None
+  for r in range(d):
+    own = parts or (r % 2,)
+    for t in range(tiles):
+      for wg in (0, 1):
+        assert sems.get((r, t, wg), 0) == (d if wg in own else 0)
+    sums = [(e.tile, e.wg) for e in trace if e.kind == "spread_sum" and e.rank == r]
+    # Each (tile, own part) once per sub-tile, over all CTAs of the rank.
+    assert sorted(sums) == sorted((t, wg) for t in range(tiles) for wg in own
+                                  for _ in range(subs))
+    assert not [e for e in trace if e.kind == "reduce" and e.rank == r]
+  # No wait inside a tile loop: every CTA's waits come after its last compute.
+  for r in range(d):
+    for c in range(ctas):
+      events = schedule.cta_program(r, c, num_ctas=ctas, num_devices=d, tiles_per_chunk=tiles,
+                                    group=group, spread_subs=subs)
+      kinds = [e.kind for e in events]
+      if "wait" in kinds and "compute" in kinds:
+        assert kinds.index("wait") > max(i for i, k in enumerate(kinds) if k == "compute")
+
+
+def test_owner_spread_reading_an_unstored_own_partial_is_caught(monkeypatch):
+  orig = schedule.cta_program
+
+  def drop_own_store(*args, **kwargs):
+    events = orig(*args, **kwargs)
+    return [e for e in events if e.kind != "store_own"]
+
+  monkeypatch.setattr(schedule, "cta_program", drop_own_store)
+  with pytest.raises(RuntimeError, match="before it landed"):
+    schedule.simulate(num_ctas=2, num_devices=2, tiles_per_chunk=2, spread_subs=2)

@@ -50,24 +50,28 @@ def _strided_loop(start, stride, total, body):
   return count
 
 
-def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config: Config,
-                num_devices: int, transport, skip: frozenset[str] = frozenset()):
+def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, own_gmem=None, *,
+                config: Config, num_devices: int, transport,
+                skip: frozenset[str] = frozenset()):
   """One rank's program.
 
   Per rank (transport.bind selects it): x [m, k_shard], w [k_shard, n], out [m // D, n],
   recv [D - 1, m // D, n] (this rank's receive slots, partial_dtype; None when D == 1),
   stage [D - 1, m // D, n] (partial_dtype; only with comm CTAs: this rank's peer tiles, waiting
-  to be pushed).
+  to be pushed), own [m // D, n] (only with config.owner_spread: the own chunk's own partial,
+  fp32 or partial_dtype: Config.own_partial_itemsize).
 
   `skip` leaves stages out, for timing only (the output is then wrong): "comm" keeps every
   partial tile local (stored into this rank's own receive slots, or only staged) and drops
-  the pushes, signals and waits (same local traffic, no NVLink, no synchronisation); "reduce"
+  the pushes, signals and waits (same local traffic, no NVLink, no synchronisation with peers:
+  owner_spread keeps its local wait for the own partial); "reduce"
   keeps the waits but not the loads and adds of the received partials; "gemm" skips the
   mainloop (every epilogue handles a tile of zeros), so that the kernel's time is that of its
   data movement (the comm CTAs' push rate, measured inside the kernel); "stage_wait" drops the
   comm CTAs' per-tile wait for a staged tile (with "gemm": the cost of those waits);
   "recv_store" drops a pulling comm CTA's store of what it pulled (its loads alone);
-  "owner_wait" drops the owner's wait for its partials (no CTA spins on the counters);
+  "owner_wait" drops the owner's wait for its partials (no CTA spins on the counters; with
+  owner_spread, for its own partial too);
   "comm_signal" (only with "owner_wait") drops the comm CTAs' per-tile landed signals too, so
   that they only move data.
   """
@@ -77,8 +81,8 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
   comm_on, reduce_on, gemm_on = ("comm" not in skip), ("reduce" not in skip), ("gemm" not in skip)
   d = num_devices
   rank = transport.rank()
-  x_gmem, w_gmem, out_gmem, recv_local, stage_local = transport.bind(
-      x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem, rank)
+  x_gmem, w_gmem, out_gmem, recv_local, stage_local, own_local = transport.bind(
+      rank, x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem, own_gmem)
   dtype, out_dtype = x_gmem.dtype, out_gmem.dtype
   part_dtype = jnp.dtype(config.partial_dtype) if d > 1 else out_dtype
   m, k_shard = x_gmem.shape
@@ -99,6 +103,9 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
   recv_stages = config.recv_stages
   num_comm = config.comm_ctas if d > 1 else 0
   assert (num_comm > 0) == (stage_local is not None), (num_comm, stage_gmem)
+  spread = config.owner_spread and d > 1
+  assert spread == (own_local is not None) and not (spread and num_comm), (spread, num_comm)
+  own_f32 = spread and config.own_partial_itemsize == 4
   in_transforms = _swizzled(tile_k, dtype)
   epi_transforms = _swizzled(epi_n, out_dtype)
   part_transforms = _swizzled(epi_n, part_dtype)
@@ -155,12 +162,17 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
     if part_dtype != out_dtype:
       scoped["send_smem"] = plgpu.SMEM((_NUM_COMPUTE_WGS, num_out_slots, epi_m, epi_n),
                                        part_dtype, transforms=part_transforms)
+  if own_f32:  # One fp32 sub-tile slot per warpgroup: the own partial out, then back in.
+    scoped["own_smem"] = plgpu.SMEM((_NUM_COMPUTE_WGS, epi_m, epi_n), jnp.float32,
+                                    transforms=_swizzled(epi_n, jnp.float32))
+    scoped["own_barrier"] = plgpu.Barrier(num_barriers=_NUM_COMPUTE_WGS)
 
   def compute_program(cta_index, num_compute):
     """The GEMM: CTA `cta_index` of `num_compute` walks linear tiles cta_index, +num_compute..."""
 
     @functools.partial(pl.run_scoped, collective_axes="wg", **scoped)
-    def _scope(pipeline_allocs, out_smem, part_smem=None, part_barrier=None, send_smem=None):
+    def _scope(pipeline_allocs, out_smem, part_smem=None, part_barrier=None, send_smem=None,
+               own_smem=None, own_barrier=None):
       wg_idx = lax.axis_index("wg")
       epi_tiles = [(mi, ni) for mi in range(tile_m // epi_m) for ni in range(tile_n // epi_n)]
       if send_smem is None:
@@ -244,6 +256,85 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
           summed.append(own.astype(out_dtype))
         return summed
 
+      def store_own(acc, tile, slices):
+        """owner_spread: the own tile's own partial -> own_local (fp32 through own_smem, else
+        the partial dtype through the send slots), announced locally on the tile's arrival
+        counter once stored: the peers' D - 1 signals and this one make the D spread_sum
+        waits for."""
+        if own_f32:
+          for mi, ni in epi_tiles:
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            own_smem[wg_idx] = acc[epi_slices(mi, ni)]
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(own_smem.at[wg_idx],
+                                    own_local.at[slices].at[epi_slices(mi, ni)])
+        else:
+          own = acc.astype(part_dtype)
+          store_tile([own[epi_slices(mi, ni)] for mi, ni in epi_tiles], send_smem,
+                     own_local.at[slices])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+        if "owner_wait" not in skip:
+          transport.signal_local(sems, rank, where.arrived(tile, wg_idx))
+
+      def spread_sum(cta_index, num_compute):
+        """owner_spread, after the tile loop: compute warpgroup g of the rank's G sums the own
+        chunk's epilogue sub-tiles g, g + G, ... (of the own part of each tile: both
+        warpgroups' parts, or with pairs the own warpgroup's). Each waits until its tile's
+        arrival counter reaches D (D - 1 peers and the own partial; only the own one when
+        "comm" is ablated), then adds the same values in the same order as reduce_tile."""
+        parts = _NUM_COMPUTE_WGS if group == 1 else 1
+        subs, sub_cols = len(epi_tiles), tile_n // epi_n
+        n_srcs = (len(slot_order) if reduce_on else 0) + (0 if own_f32 else 1)
+
+        def unit(u, _):
+          tile, rest = u // (parts * subs), u % (parts * subs)
+          piece = rest // subs if group == 1 else rank % 2  # Pairs: the own warpgroup's part.
+          sub = rest % subs
+          _, slices = tile_slices(tile, piece)
+          box = (pl.ds(sub // sub_cols * epi_m, epi_m), pl.ds(sub % sub_cols * epi_n, epi_n))
+          # The partials in slot order (ring: ring order), then the own one if it is stored
+          # in the partial dtype (the ring adds it last).
+          srcs = [recv_local.at[j] for j in (slot_order if reduce_on else ())]
+          srcs += [] if own_f32 else [own_local]
+          if "owner_wait" not in skip:
+            transport.wait(sems, rank, where.arrived(tile, piece), d if comm_on else 1,
+                           local=not comm_on)
+
+          def issue(i):
+            buf = i % recv_stages
+            plgpu.copy_gmem_to_smem(srcs[i].at[slices].at[box], part_smem.at[wg_idx, buf],
+                                    part_barrier.at[wg_idx * recv_stages + buf])
+
+          if own_f32:
+            plgpu.copy_gmem_to_smem(own_local.at[slices].at[box], own_smem.at[wg_idx],
+                                    own_barrier.at[wg_idx])
+          for i in range(min(recv_stages, n_srcs)):
+            issue(i)
+          own = run = None
+          if own_f32:
+            plgpu.barrier_wait(own_barrier.at[wg_idx])
+            own = own_smem[wg_idx]
+          for i in range(n_srcs):
+            buf = i % recv_stages
+            plgpu.barrier_wait(part_barrier.at[wg_idx * recv_stages + buf])
+            part = part_smem[wg_idx, buf].astype(jnp.float32)
+            if not own_f32 and i == n_srcs - 1:
+              own = part if run is None else run + part  # The own partial, bf16-exact.
+            elif ring:
+              run = part if run is None else _round(run + part, out_dtype)
+            else:
+              own = own + part
+            if i + recv_stages < n_srcs:
+              plgpu.commit_smem()  # Every thread has read `buf` before TMA overwrites it.
+              issue(i + recv_stages)
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          out_smem[wg_idx, 0] = own.astype(out_dtype)
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(out_smem.at[wg_idx, 0], out_gmem.at[slices].at[box])
+
+        _strided_loop(cta_index * _NUM_COMPUTE_WGS + wg_idx, num_compute * _NUM_COMPUTE_WGS,
+                      tiles * parts * subs, unit)
+
       def deferred(step, offset):
         """Whether this warpgroup's tile at `step` (for the peer at `offset`) is announced at
         the CTA's next epilogue: remote, not an eager slot, and (pairs) not sharing its tile
@@ -280,6 +371,9 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
             @pl.when(is_own)
             @jax.named_scope("own_epilogue")
             def _own():
+              if spread:  # The sum comes after the tile loop (spread_sum).
+                store_own(acc_ref[...], tile, slices)
+                return
               if d > 1:
                 summed = reduce_tile(acc_ref[...], tile, slices)
               else:
@@ -344,6 +438,11 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *, config:
         @pl.when((wg_idx < _NUM_COMPUTE_WGS) & (count > 0) & deferred(last_step, last_offset))
         def _():
           announce(last_offset, last_tile)
+      if spread:
+        @pl.when(wg_idx < _NUM_COMPUTE_WGS)
+        @jax.named_scope("owner_sum")
+        def _():
+          spread_sum(cta_index, num_compute)
 
   if num_comm and comm_on:
     ctx = comm_lib.CommContext(

@@ -91,6 +91,12 @@ class Config:
     owner_sum: how the owner adds the partials (OWNER_SUMS): "fp32" (its fp32 accumulator,
       slot order, one rounding) or "bf16_ring" (bf16 partials only: the unfused path's
       arithmetic, bit for bit wherever the partials equal cuBLAS's). `numerics` names the pair.
+    owner_spread: the owner's sum spread over every compute warpgroup (direct push only): the
+      own chunk's tiles store their own partial locally (fp32 with owner_sum "fp32", else the
+      partial dtype: the same arithmetic, bit for bit) and, after its tile loop, each compute
+      warpgroup of the rank sums a share of the own chunk's epilogue sub-tiles. At small M the
+      own tiles fill a fraction of one wave (D = 8, M = 512: 32 of 132 CTAs), and their sum of
+      D - 1 partials is the kernel's tail (docs/design.md section 3).
   """
   tile_m: int = 128
   tile_n: int = 128
@@ -109,6 +115,7 @@ class Config:
   partial_dtype: str = "bfloat16"
   owner_sum: str = "fp32"
   comm_mode: str = "push"
+  owner_spread: bool = False
 
   def __post_init__(self):
     tile_m, tile_n, tile_k = self.tile_m, self.tile_n, self.tile_k
@@ -148,6 +155,8 @@ class Config:
     if self.owner_sum == "bf16_ring" and self.partial_dtype != "bfloat16":
       raise ValueError(f"owner_sum='bf16_ring' adds bf16 partials; partial_dtype="
                        f"{self.partial_dtype!r} must be 'bfloat16'")
+    if not isinstance(self.owner_spread, bool):
+      raise ValueError(f"owner_spread={self.owner_spread!r} must be a bool")
     object.__setattr__(self, "grid_minor_dim", MatmulDimension(self.grid_minor_dim))
     object.__setattr__(self, "wg_dimension", MatmulDimension(self.wg_dimension))
 
@@ -207,7 +216,17 @@ class Config:
       total += 2 * self.recv_stages * epi * self.partial_itemsize
       if self.partial_itemsize != itemsize:  # Separate SMEM slots for the partials sent.
         total += 2 * self.num_out_slots * epi * self.partial_itemsize
+      total += 2 * epi * self.own_partial_itemsize if self.own_partial_itemsize == 4 else 0
     return total + SMEM_SLACK_BYTES
+
+  @property
+  def own_partial_itemsize(self) -> int:
+    """Bytes per element of the own partial that `owner_spread` stores: fp32 for the fp32 sum
+    (one SMEM slot per warpgroup of its own), else the partial dtype's (the ring rounds the
+    own partial to it anyway; it goes through the receive slots). 0 without owner_spread."""
+    if not self.owner_spread:
+      return 0
+    return 4 if self.owner_sum == "fp32" else self.partial_itemsize
 
   def comm_smem_bytes(self) -> int:
     """Shared memory of a comm CTA (0 without comm CTAs)."""
@@ -242,6 +261,9 @@ class Config:
           f"(tile_n={self.tile_n}, wg_dimension={self.wg_dimension.name})")
     if k_shard % self.tile_k:
       raise NotImplementedError(f"{k_shard=} is not a multiple of tile_k={self.tile_k}")
+    if self.owner_spread and num_devices > 1 and self.comm_ctas:
+      raise NotImplementedError(
+          f"owner_spread runs only with the direct push, got comm_ctas={self.comm_ctas}")
     if self.wg_dimension == MatmulDimension.N and self.tile_n % 64:
       # The warpgroups split w's SMEM block at column tile_n, which must fall on its 128-byte
       # swizzle's 64-column tiles (Mosaic GPU refuses the slice otherwise).
@@ -293,8 +315,10 @@ def with_numerics(cfg: Config, mode: str, num_devices: int) -> Config:
   if mode not in NUMERICS_MODES:
     raise ValueError(f"numerics mode {mode!r} must be one of {tuple(NUMERICS_MODES)}")
   partial_dtype, owner_sum = NUMERICS_MODES[mode]
-  return dataclasses.replace(with_partial_dtype(cfg, partial_dtype, num_devices),
-                             owner_sum=owner_sum)
+  # Both fields before fitting: the SMEM a config needs depends on the pair (owner_spread).
+  return fit_smem(dataclasses.replace(cfg, partial_dtype=partial_dtype, owner_sum=owner_sum,
+                                      epi_tile_n=_epi_tile_n(cfg.tile_n, partial_dtype)),
+                  num_devices)
 
 
 def fit_smem(cfg: Config, num_devices: int) -> Config:

@@ -197,6 +197,8 @@ def _build(transport, *, out_type, config: Config, num_devices: int, name: str,
                            transport=transport, skip=skip)
   if num_devices == 1:
     body = functools.partial(_no_recv, body)
+  elif config.owner_spread:
+    body = functools.partial(_with_own, body)
   return plgpu.kernel(
       body,
       out_type=out_type,
@@ -215,12 +217,20 @@ def _no_recv(body, x, w, out):
   body(x, w, out, None)
 
 
+def _with_own(body, x, w, out, recv, own):
+  body(x, w, out, recv, None, own)
+
+
 def _exchange_buffers(lead: tuple[int, ...], num_devices: int, chunk: int, n: int,
                       config: Config) -> tuple[jax.ShapeDtypeStruct, ...]:
   """The receive slots [*lead, D - 1, chunk, n] and, with comm CTAs, the staging buffer of the
   same shape, in the config's partial dtype: extra kernel outputs (uninitialised), because
-  peers can only address kernel arguments (docs/design.md section 7)."""
+  peers can only address kernel arguments (docs/design.md section 7); with owner_spread, the
+  own partial [*lead, chunk, n] (Config.own_partial_itemsize)."""
   buf = jax.ShapeDtypeStruct((*lead, num_devices - 1, chunk, n), jnp.dtype(config.partial_dtype))
+  if config.owner_spread:
+    own = jnp.float32 if config.own_partial_itemsize == 4 else config.partial_dtype
+    return buf, jax.ShapeDtypeStruct((*lead, chunk, n), jnp.dtype(own))
   return (buf, buf) if config.comm_ctas else (buf,)
 
 

@@ -41,9 +41,10 @@ class NVLinkTransport:
       return 0
     return lax.axis_index(self.axis_name)
 
-  def bind(self, x, w, out, recv, stage, rank):
+  def bind(self, rank, *refs):
+    """This rank's view of the kernel's arguments (None stays None)."""
     del rank
-    return x, w, out, recv, stage
+    return refs
 
   def _device_id(self, rank, offset: int):
     """The device id of the peer `offset` steps along `axis_name`, for every remote call.
@@ -85,8 +86,8 @@ class LoopbackTransport:
   """D virtual ranks on one GPU: rank r is the CTAs with grid index r along axis "rank".
 
   Kernel arguments are stacked over ranks: x [D, m, k_shard], w [D, k_shard, n],
-  out [D, m // D, n], recv [D, D - 1, m // D, n], stage [D, D - 1, m // D, n]; semaphores are
-  indexed by rank. All `num_sms` CTAs must be resident at once (one per SM), or a rank could
+  out [D, m // D, n], recv [D, D - 1, m // D, n], stage [D, D - 1, m // D, n], own
+  [D, m // D, n]; semaphores are indexed by rank. All `num_sms` CTAs must be resident at once (one per SM), or a rank could
   wait on a rank that never gets scheduled: the grid is exactly `num_sms // D` CTAs per rank.
   """
   num_devices: int
@@ -97,9 +98,8 @@ class LoopbackTransport:
   def rank(self):
     return lax.axis_index("rank")
 
-  def bind(self, x, w, out, recv, stage, rank):
-    at = lambda a: None if a is None else a.at[rank]
-    return x.at[rank], w.at[rank], out.at[rank], at(recv), at(stage)
+  def bind(self, rank, *refs):
+    return tuple(None if a is None else a.at[rank] for a in refs)
 
   def _peer(self, rank, offset: int):
     return lax.rem(rank + offset, self.num_devices)
@@ -144,4 +144,6 @@ class AloneTransport(NVLinkTransport):
     self._device_id(rank, offset)
 
   def wait(self, sems, rank, idx, value, *, local: bool = False):
-    raise AssertionError("AloneTransport has no peers: the kernel must run with ablate 'comm'")
+    if not local:
+      raise AssertionError("AloneTransport has no peers: the kernel must run with ablate 'comm'")
+    super().wait(sems, rank, idx, value, local=True)
