@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from pallas_rs.kernel import comm as comm_lib
 from pallas_rs.kernel import schedule
+from pallas_rs.kernel import spread as spread_lib
 from pallas_rs.kernel.config import Config
 from pallas_rs.kernel.config import MatmulDimension
 
@@ -155,24 +156,24 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, own_gmem=N
       out_smem=plgpu.SMEM((_NUM_COMPUTE_WGS, num_out_slots, epi_m, epi_n), out_dtype,
                           transforms=epi_transforms),
   )
-  if d > 1:
+  if d > 1 and not spread:  # (owner_spread sums in a scope of its own: spread.py)
     scoped["part_smem"] = plgpu.SMEM((_NUM_COMPUTE_WGS, recv_stages, epi_m, epi_n), part_dtype,
                                      transforms=part_transforms)
     scoped["part_barrier"] = plgpu.Barrier(num_barriers=_NUM_COMPUTE_WGS * recv_stages)
+  if d > 1:
     if part_dtype != out_dtype:
       scoped["send_smem"] = plgpu.SMEM((_NUM_COMPUTE_WGS, num_out_slots, epi_m, epi_n),
                                        part_dtype, transforms=part_transforms)
-  if own_f32:  # One fp32 sub-tile slot per warpgroup: the own partial out, then back in.
+  if own_f32:  # One fp32 sub-tile slot per warpgroup for the own partial on its way out.
     scoped["own_smem"] = plgpu.SMEM((_NUM_COMPUTE_WGS, epi_m, epi_n), jnp.float32,
                                     transforms=_swizzled(epi_n, jnp.float32))
-    scoped["own_barrier"] = plgpu.Barrier(num_barriers=_NUM_COMPUTE_WGS)
 
   def compute_program(cta_index, num_compute):
     """The GEMM: CTA `cta_index` of `num_compute` walks linear tiles cta_index, +num_compute..."""
 
     @functools.partial(pl.run_scoped, collective_axes="wg", **scoped)
     def _scope(pipeline_allocs, out_smem, part_smem=None, part_barrier=None, send_smem=None,
-               own_smem=None, own_barrier=None):
+               own_smem=None):
       wg_idx = lax.axis_index("wg")
       epi_tiles = [(mi, ni) for mi in range(tile_m // epi_m) for ni in range(tile_n // epi_n)]
       if send_smem is None:
@@ -259,8 +260,8 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, own_gmem=N
       def store_own(acc, tile, slices):
         """owner_spread: the own tile's own partial -> own_local (fp32 through own_smem, else
         the partial dtype through the send slots), announced locally on the tile's arrival
-        counter once stored: the peers' D - 1 signals and this one make the D spread_sum
-        waits for."""
+        counter once stored: the peers' D - 1 signals and this one make the D that
+        spread.spread_program waits for."""
         if own_f32:
           for mi, ni in epi_tiles:
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -275,65 +276,6 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, own_gmem=N
         plgpu.wait_smem_to_gmem(0, wait_read_only=False)
         if "owner_wait" not in skip:
           transport.signal_local(sems, rank, where.arrived(tile, wg_idx))
-
-      def spread_sum(cta_index, num_compute):
-        """owner_spread, after the tile loop: compute warpgroup g of the rank's G sums the own
-        chunk's epilogue sub-tiles g, g + G, ... (of the own part of each tile: both
-        warpgroups' parts, or with pairs the own warpgroup's). Each waits until its tile's
-        arrival counter reaches D (D - 1 peers and the own partial; only the own one when
-        "comm" is ablated), then adds the same values in the same order as reduce_tile."""
-        parts = _NUM_COMPUTE_WGS if group == 1 else 1
-        subs, sub_cols = len(epi_tiles), tile_n // epi_n
-        n_srcs = (len(slot_order) if reduce_on else 0) + (0 if own_f32 else 1)
-
-        def unit(u, _):
-          tile, rest = u // (parts * subs), u % (parts * subs)
-          piece = rest // subs if group == 1 else rank % 2  # Pairs: the own warpgroup's part.
-          sub = rest % subs
-          _, slices = tile_slices(tile, piece)
-          box = (pl.ds(sub // sub_cols * epi_m, epi_m), pl.ds(sub % sub_cols * epi_n, epi_n))
-          # The partials in slot order (ring: ring order), then the own one if it is stored
-          # in the partial dtype (the ring adds it last).
-          srcs = [recv_local.at[j] for j in (slot_order if reduce_on else ())]
-          srcs += [] if own_f32 else [own_local]
-          if "owner_wait" not in skip:
-            transport.wait(sems, rank, where.arrived(tile, piece), d if comm_on else 1,
-                           local=not comm_on)
-
-          def issue(i):
-            buf = i % recv_stages
-            plgpu.copy_gmem_to_smem(srcs[i].at[slices].at[box], part_smem.at[wg_idx, buf],
-                                    part_barrier.at[wg_idx * recv_stages + buf])
-
-          if own_f32:
-            plgpu.copy_gmem_to_smem(own_local.at[slices].at[box], own_smem.at[wg_idx],
-                                    own_barrier.at[wg_idx])
-          for i in range(min(recv_stages, n_srcs)):
-            issue(i)
-          own = run = None
-          if own_f32:
-            plgpu.barrier_wait(own_barrier.at[wg_idx])
-            own = own_smem[wg_idx]
-          for i in range(n_srcs):
-            buf = i % recv_stages
-            plgpu.barrier_wait(part_barrier.at[wg_idx * recv_stages + buf])
-            part = part_smem[wg_idx, buf].astype(jnp.float32)
-            if not own_f32 and i == n_srcs - 1:
-              own = part if run is None else run + part  # The own partial, bf16-exact.
-            elif ring:
-              run = part if run is None else _round(run + part, out_dtype)
-            else:
-              own = own + part
-            if i + recv_stages < n_srcs:
-              plgpu.commit_smem()  # Every thread has read `buf` before TMA overwrites it.
-              issue(i + recv_stages)
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-          out_smem[wg_idx, 0] = own.astype(out_dtype)
-          plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(out_smem.at[wg_idx, 0], out_gmem.at[slices].at[box])
-
-        _strided_loop(cta_index * _NUM_COMPUTE_WGS + wg_idx, num_compute * _NUM_COMPUTE_WGS,
-                      tiles * parts * subs, unit)
 
       def deferred(step, offset):
         """Whether this warpgroup's tile at `step` (for the peer at `offset`) is announced at
@@ -371,7 +313,7 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, own_gmem=N
             @pl.when(is_own)
             @jax.named_scope("own_epilogue")
             def _own():
-              if spread:  # The sum comes after the tile loop (spread_sum).
+              if spread:  # The sum comes after the tile loop (spread.py).
                 store_own(acc_ref[...], tile, slices)
                 return
               if d > 1:
@@ -438,11 +380,15 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, own_gmem=N
         @pl.when((wg_idx < _NUM_COMPUTE_WGS) & (count > 0) & deferred(last_step, last_offset))
         def _():
           announce(last_offset, last_tile)
-      if spread:
-        @pl.when(wg_idx < _NUM_COMPUTE_WGS)
-        @jax.named_scope("owner_sum")
-        def _():
-          spread_sum(cta_index, num_compute)
+
+    if spread:
+      with jax.named_scope("owner_sum"):
+        spread_lib.spread_program(spread_lib.SpreadContext(
+            config=config, num_devices=d, rank=rank, transport=transport, sems=sems,
+            where=where, tiles=tiles, group=group, part_dtype=part_dtype, out_dtype=out_dtype,
+            tile_slices=tile_slices, transforms=_swizzled, recv_local=recv_local,
+            own_local=own_local, out_local=out_gmem, slot_order=slot_order, peers=comm_on,
+            wait="owner_wait" not in skip, partials=reduce_on), cta_index, num_compute)
 
   if num_comm and comm_on:
     ctx = comm_lib.CommContext(

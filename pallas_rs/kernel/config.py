@@ -213,17 +213,22 @@ class Config:
     epi = self.epi_tile_m * self.epi_tile_n
     total = (pipeline + 2 * self.num_out_slots * epi) * itemsize
     if num_devices > 1:
-      total += 2 * self.recv_stages * epi * self.partial_itemsize
       if self.partial_itemsize != itemsize:  # Separate SMEM slots for the partials sent.
         total += 2 * self.num_out_slots * epi * self.partial_itemsize
-      total += 2 * epi * self.own_partial_itemsize if self.own_partial_itemsize == 4 else 0
+      if not self.owner_spread:
+        total += 2 * self.recv_stages * epi * self.partial_itemsize
+      else:  # The own partial's fp32 slot; the sum has a scope of its own (spread.py).
+        own_f32 = 2 * epi * 4 if self.own_partial_itemsize == 4 else 0
+        loads = num_devices - 1 + (0 if own_f32 else 1)
+        spread = 2 * epi * (itemsize + loads * self.partial_itemsize) + own_f32
+        total = max(total + own_f32, spread)
     return total + SMEM_SLACK_BYTES
 
   @property
   def own_partial_itemsize(self) -> int:
     """Bytes per element of the own partial that `owner_spread` stores: fp32 for the fp32 sum
-    (one SMEM slot per warpgroup of its own), else the partial dtype's (the ring rounds the
-    own partial to it anyway; it goes through the receive slots). 0 without owner_spread."""
+    (an SMEM slot per warpgroup of its own), else the partial dtype's (the ring rounds the own
+    partial to it anyway). 0 without owner_spread."""
     if not self.owner_spread:
       return 0
     return 4 if self.owner_sum == "fp32" else self.partial_itemsize
