@@ -25,10 +25,10 @@ step in order, copies each into the owner's receive slot and announces landed ti
 source's staging into its own slot and announces them locally, in the same batches; a done
 handshake keeps every rank alive until its peers have finished reading its staging buffer.
 
-With `owner_spread` (direct push only) the own chunk's tiles store their own partial locally and
-add one local signal to `(t, wg)`; after its tile loop, compute warpgroup g of the rank's G
-waits for D on the tiles of the own chunk's epilogue sub-tiles g, g + G, ... and sums them
-(`spread_units`). `SemLayout` names the semaphores; `simulate` checks every variant.
+With `owner_spread` (direct push) the own tiles store their own partial and add a local signal
+to `(t, wg)`; after the tile loop each compute warpgroup waits for D on its share of the own
+sub-tiles and sums them (`spread_units`). `SemLayout` names the semaphores; `simulate` checks
+every variant.
 
 The functions below accept Python ints and traced int32 scalars alike.
 """
@@ -152,8 +152,8 @@ class Event:
     "signal" (one increment of `dst`'s semaphore `(tile, wg)` per compute warpgroup),
     "wait" (own chunk: wait until semaphore `(tile, wg)` reaches `target`),
     "reduce" (read slots 0..D-2 of `tile` and write the output tile),
-    "store_own" (owner_spread: the own partial of `tile` stored locally, "slot" -1),
-    "spread_sum" (owner_spread: read the own partial and slots 0..D-2, write the output),
+    "store_own" / "spread_sum" (owner_spread: the own partial stored locally, "slot" -1 /
+      read with slots 0..D-2, the output written),
     "stage" (with comm CTAs: TMA store of a remote tile into the rank's own staging slot
       `slot`), "signal_staged" (one increment of the rank's staged semaphore
       `(slot, tile, wg)` per compute warpgroup), "wait_staged" (a comm CTA waits for it).
@@ -177,10 +177,9 @@ def cta_tiles(cta: int, num_ctas: int, num_devices: int, tiles_per_chunk: int) -
 
 def spread_units(rank: int, cta: int, *, num_ctas: int, tiles_per_chunk: int,
                  sub_tiles: int, group: int = 1) -> list[tuple[int, int]]:
-  """owner_spread: the (tile, warpgroup part) of each own-chunk epilogue sub-tile that CTA
-  `cta`'s compute warpgroups sum, in order (body.spread_sum: unit u of tiles x parts x
-  sub_tiles goes to warpgroup u % (2 num_ctas); parts: both warpgroups' (group 1) or, with
-  pairs, the own warpgroup's, rank % 2)."""
+  """owner_spread: the (tile, warpgroup part) of each own sub-tile CTA `cta` sums, in order
+  (spread.py: unit u of tiles x parts x sub_tiles to warpgroup u % (2 num_ctas); parts: both
+  warpgroups' (group 1), or with pairs the own one's, rank % 2)."""
   parts = NUM_COMPUTE_WGS if group == 1 else 1
   units = tiles_per_chunk * parts * sub_tiles
   out = []
