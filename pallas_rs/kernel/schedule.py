@@ -341,14 +341,9 @@ def comm_reuse_wait(sets: int) -> int:
   return sets - 1
 
 
-def rank_programs(rank: int, *, num_ctas: int, num_devices: int, tiles_per_chunk: int,
-                  eager_signal_steps: int = 0, comm_ctas: int = 0,
-                  pull: bool = False, group: int = 1,
-                  spread_subs: int = 0) -> list[list[Event]]:
-  return [cta_program(rank, c, num_ctas=num_ctas, num_devices=num_devices,
-                      tiles_per_chunk=tiles_per_chunk, eager_signal_steps=eager_signal_steps,
-                      comm_ctas=comm_ctas, pull=pull, group=group, spread_subs=spread_subs)
-          for c in range(num_ctas)]
+def rank_programs(rank: int, *, num_ctas: int, **program) -> list[list[Event]]:
+  """Every CTA's `cta_program` (its keyword arguments) of rank `rank`."""
+  return [cta_program(rank, c, num_ctas=num_ctas, **program) for c in range(num_ctas)]
 
 
 def simulate(*, num_ctas: int, num_devices: int, tiles_per_chunk: int,
