@@ -5,7 +5,8 @@ time of a small-M call goes; issue 17: when the comm CTAs run).
       --names=llama70b_o_proj_m512,mixtral8x22b_w2_m512 --configs=table,p4
 
 Per shape (at D = the visible GPUs; on one GPU the loopback at --num_devices virtual ranks,
-one trace per call for all ranks) and config (`config_variants.variant_config` names applied to
+one trace per call for all ranks, or with --alone one rank of a --num_devices-device call alone
+on the GPU with the "comm" ablation: fused.rank_alone) and config (`config_variants.variant_config` names applied to
 the config "fused" runs for the shape), runs the kernel under `fused.profile` (one Perfetto trace
 per call and device; the named phases of body.py per tile and comm.py per step) and summarizes
 the last call's trace: per phase the count and the median / max duration over warpgroups, and
@@ -38,6 +39,8 @@ _CONFIGS = flags.DEFINE_list("configs", ["table"], "Config variants per shape.")
 _SPACE = flags.DEFINE_integer("space", 128, "Profiler events per warpgroup (fused.profile).")
 _NUM_DEVICES = flags.DEFINE_integer("num_devices", 2, "One GPU: loopback virtual ranks (the "
                                     "protocol's timeline, not NVLink's).")
+_ALONE = flags.DEFINE_bool("alone", False, "One GPU: one rank alone (fused.rank_alone, no "
+                           "peers) instead of the loopback.")
 _CALLS = flags.DEFINE_integer("calls", 3, "Calls per case; the last one's trace is summarized.")
 _TRACE_DIR = flags.DEFINE_string("trace_dir", "", "Where the traces go; default "
                                  "experiments/out/timeline_traces (git-ignored).")
@@ -77,6 +80,7 @@ def summarize(events: list[dict]) -> dict:
       "first_mainloop_start_us": min(first_main) if first_main else None,
       "last_mainloop_end_us": last_end("mainloop"),
       "last_own_epilogue_end_us": last_end("own_epilogue"),
+      "last_owner_sum_end_us": last_end("owner_sum"),
       "trace_end_us": max(e["ts"] for e in events) - t0,
   }
   if landmarks["last_mainloop_end_us"] is not None:
@@ -114,8 +118,9 @@ def main(argv):
   gpus = jax.devices()
   if gpus[0].platform != "gpu":
     raise app.UsageError("timeline.py profiles the Mosaic GPU kernel: it needs a Hopper GPU")
-  nvlink = len(gpus) >= 2
+  nvlink = len(gpus) >= 2 and not _ALONE.value
   d = len(gpus) if nvlink else _NUM_DEVICES.value
+  transport = "nvlink" if nvlink else "alone" if _ALONE.value else "loopback"
   if nvlink:
     mesh = jax.make_mesh((d,), ("tp",), devices=gpus)
     specs = dict(mesh=mesh, in_specs=(P(None, "tp"), P("tp", None)), out_specs=P("tp", None),
@@ -130,14 +135,17 @@ def main(argv):
     if nvlink:
       args = testing.generate(0, m, d * k_shard, n, num_devices=d,
                               shardings=testing.row_parallel_shardings(mesh, "tp"))
+    elif _ALONE.value:
+      args = testing.generate(0, m, k_shard, n)
     else:
       args = testing.stacked_inputs(0, d, m, k_shard, n)
     base = tuned_config(m=m, k_shard=k_shard, n=n, dtype=args[0].dtype, num_devices=d)
     for cname in _CONFIGS.value:
       cfg = variant_config(base, cname)
-      tiles = d * (m // d // cfg.cta_tile_m) * (n // cfg.cta_tile_n)
+      group = cfg.chunk_group(m, d)  # pairs: one tile over two 64-row chunks
+      tiles = d // group * (group * (m // d) // cfg.cta_tile_m) * (n // cfg.cta_tile_n)
       # Loopback: the D ranks share the grid, num_sms // D CTAs each.
-      ctas = (cfg.num_sms if nvlink else cfg.num_sms // d) - cfg.comm_ctas
+      ctas = (cfg.num_sms if transport != "loopback" else cfg.num_sms // d) - cfg.comm_ctas
       per_cta = -(-tiles // ctas)
       cfg = fit_for_profile(cfg, space=_SPACE.value, num_devices=d, tiles_per_cta=per_cta)
       trace_dir = trace_root / f"{name}_{cname}"
@@ -147,6 +155,9 @@ def main(argv):
           fn = jax.jit(jax.shard_map(functools.partial(
               fused.fused_matmul_reduce_scatter, axis_name="tp", num_devices=d, config=cfg),
               **specs))
+        elif _ALONE.value:
+          fn = jax.jit(functools.partial(fused.rank_alone, num_devices=d, config=cfg,
+                                         ablate=("comm",)))
         else:
           fn = jax.jit(functools.partial(fused.loopback_matmul_reduce_scatter, config=cfg))
         for _ in range(_CALLS.value):
@@ -154,7 +165,7 @@ def main(argv):
       # Mosaic GPU writes <time_ns>-trace.json per call and device: the last call's are last.
       traces = sorted(trace_dir.glob("*-trace.json"))[-(d if nvlink else 1):]
       row = {"name": name, "config_name": cname, "config": repr(cfg), "d": d,
-             "transport": "nvlink" if nvlink else "loopback",
+             "transport": transport,
              "traces": [str(p) for p in traces],
              "summaries": [summarize(json.loads(p.read_text())["traceEvents"]) for p in traces]}
       record["rows"].append(row)
