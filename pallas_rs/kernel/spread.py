@@ -100,13 +100,17 @@ def spread_program(ctx: SpreadContext, cta_index, num_compute) -> None:
       for i, src in enumerate(srcs):  # Every load of the sub-tile in flight at once.
         plgpu.copy_gmem_to_smem(src.at[slices].at[box], part_smem.at[wg_idx, i],
                                 part_barrier.at[wg_idx * n_srcs + i])
+      # Registers in the accumulator's layout, as in the owner's epilogue (whose sum starts
+      # from the wgmma accumulator); here nothing else would pick one (profiled 2026-12-01:
+      # ~15 us for a sub-tile's 8 loads and adds without it; with it, not yet measured).
+      wgmma = lambda ref: plgpu.layout_cast(ref[...], plgpu.Layout.WGMMA)
       own = run = None
       if own_f32:
         plgpu.barrier_wait(own_barrier.at[wg_idx])
-        own = own_smem[wg_idx]
+        own = wgmma(own_smem.at[wg_idx])
       for i in range(n_srcs):  # body.reduce_tile's arithmetic, in its order.
         plgpu.barrier_wait(part_barrier.at[wg_idx * n_srcs + i])
-        part = part_smem[wg_idx, i].astype(jnp.float32)
+        part = wgmma(part_smem.at[wg_idx, i]).astype(jnp.float32)
         if not own_f32 and i == n_srcs - 1:
           own = part if run is None else run + part  # the own partial, bf16-exact
         elif ring:
