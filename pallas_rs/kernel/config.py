@@ -96,7 +96,8 @@ class Config:
       partial dtype: the same arithmetic, bit for bit) and, after its tile loop, each compute
       warpgroup of the rank sums a share of the own chunk's epilogue sub-tiles. At small M the
       own tiles fill a fraction of one wave (D = 8, M = 512: 32 of 132 CTAs), and their sum of
-      D - 1 partials is the kernel's tail (docs/design.md section 3).
+      D - 1 partials is the kernel's tail (docs/design.md section 3). Off by default: measured
+      bit-identical but slower for one D = 8 rank alone (BUILD_NOTES 2026-12-01).
   """
   tile_m: int = 128
   tile_n: int = 128
