@@ -39,11 +39,6 @@ ABLATIONS = frozenset({"comm", "reduce", "gemm", "stage_wait", "recv_store", "ow
                        "comm_signal"})
 
 
-def _round(x, dtype):
-  """x (f32) rounded to `dtype` and back: one rounding of the unfused path's running sum."""
-  return x.astype(dtype).astype(jnp.float32)
-
-
 def _strided_loop(start, stride, total, body):
   """body(index, local_step) for index = start, start + stride, ... < total."""
   count = jnp.maximum(total - start + stride - 1, 0) // stride
@@ -243,17 +238,12 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, own_gmem=N
             buf = i % recv_stages
             plgpu.barrier_wait(part_barrier.at[wg_idx * recv_stages + buf])
             part = part_smem[wg_idx, buf].astype(jnp.float32)
-            if ring:
-              run = part if run is None else _round(run + part, out_dtype)
-            else:
-              own = own + part
+            own, run = spread_lib.add_partial(own, run, part, ring=ring, out_dtype=out_dtype)
             if i + recv_stages < len(loads):
               plgpu.commit_smem()  # Every thread has read `buf` before TMA overwrites it.
               issue(i + recv_stages)
             i += 1
-          if ring and run is not None:
-            # The own partial comes last in the ring, rounded like every other partial.
-            own = run + _round(own, out_dtype)
+          own = spread_lib.finish_sum(own, run, ring=ring, out_dtype=out_dtype)
           summed.append(own.astype(out_dtype))
         return summed
 

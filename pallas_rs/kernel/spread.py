@@ -51,7 +51,26 @@ class SpreadContext:
 
 
 def _round(x, dtype):
+  """x (f32) rounded to `dtype` and back: one rounding of the unfused path's running sum."""
   return x.astype(dtype).astype(jnp.float32)
+
+
+def add_partial(own, run, part, *, ring: bool, out_dtype):
+  """The owner's sum, one partial (f32) at a time, in slot order -> (own, run): "fp32" adds it
+  to the own fp32 partial `own`; "bf16_ring" to the running bf16 sum `run` (the unfused path's
+  rounding per add; None before the first). The owner's epilogue (body.reduce_tile) and the
+  spread sum share it, so that their outputs agree bit for bit."""
+  if ring:
+    return own, part if run is None else _round(run + part, out_dtype)
+  return own + part, run
+
+
+def finish_sum(own, run, *, ring: bool, out_dtype):
+  """The sum after the last partial: "bf16_ring" adds the own partial last, rounded like every
+  other partial."""
+  if ring and run is not None:
+    return run + _round(own, out_dtype)
+  return own
 
 
 def spread_program(ctx: SpreadContext, cta_index, num_compute) -> None:
@@ -111,12 +130,11 @@ def spread_program(ctx: SpreadContext, cta_index, num_compute) -> None:
       for i in range(n_srcs):  # body.reduce_tile's arithmetic, in its order.
         plgpu.barrier_wait(part_barrier.at[wg_idx * n_srcs + i])
         part = wgmma(part_smem.at[wg_idx, i]).astype(jnp.float32)
-        if not own_f32 and i == n_srcs - 1:
-          own = part if run is None else run + part  # the own partial, bf16-exact
-        elif ring:
-          run = part if run is None else _round(run + part, ctx.out_dtype)
+        if i < len(slots):
+          own, run = add_partial(own, run, part, ring=ring, out_dtype=ctx.out_dtype)
         else:
-          own = own + part
+          own = part  # The own partial, stored in the partial dtype (ring).
+      own = finish_sum(own, run, ring=ring, out_dtype=ctx.out_dtype)
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # out_smem free; `part_smem` read
       out_smem[wg_idx] = own.astype(ctx.out_dtype)
       plgpu.commit_smem()
