@@ -91,13 +91,10 @@ class Config:
     owner_sum: how the owner adds the partials (OWNER_SUMS): "fp32" (its fp32 accumulator,
       slot order, one rounding) or "bf16_ring" (bf16 partials only: the unfused path's
       arithmetic, bit for bit wherever the partials equal cuBLAS's). `numerics` names the pair.
-    owner_spread: the owner's sum spread over every compute warpgroup (direct push only): the
-      own chunk's tiles store their own partial locally (fp32 with owner_sum "fp32", else the
-      partial dtype: the same arithmetic, bit for bit) and, after its tile loop, each compute
-      warpgroup of the rank sums a share of the own chunk's epilogue sub-tiles. At small M the
-      own tiles fill a fraction of one wave (D = 8, M = 512: 32 of 132 CTAs), and their sum of
-      D - 1 partials is the kernel's tail (docs/design.md section 3). Off by default: measured
-      bit-identical but slower for one D = 8 rank alone (BUILD_NOTES 2026-12-01).
+    owner_spread: the own chunk's sum after the tile loop, spread over every compute
+      warpgroup (spread.py; direct push only), instead of in the own tiles' epilogues, which
+      at small M hold a fraction of a wave (docs/design.md section 3). Off by default: same
+      bits, but slower for one D = 8 rank alone (BUILD_NOTES 2026-12-01).
   """
   tile_m: int = 128
   tile_n: int = 128
