@@ -9,7 +9,8 @@ Per shape (seed or proxy8 names) and config (--configs: variant names of
 config_variants.variant_config applied to the config "fused" runs for the shape: the tuning
 table's, else the default), times (CUPTI device time, median of --iterations) the fused kernel
 as is and with `ablate` = "comm" (peer tiles stored locally, no signals or waits), "reduce" (no
-loads and adds of received partials), both ("neither": the GEMM core and its local epilogue);
+loads and adds of received partials), both ("neither": the GEMM core and its local epilogue),
+or "no_add" ("comm" with the owner's partials loaded but not read into registers and added);
 plus XLA's dot alone (T_gemm) and dot + psum_scatter (T_seq).
 Differences give the exposed cost of each stage (BUILD_NOTES "What to try first"). On several
 GPUs this runs the NVLink path over all of them (D = GPU count); on one GPU the loopback at
@@ -48,8 +49,9 @@ _CONFIGS = flags.DEFINE_list("configs", ["table"], "Config variants per shape "
                              "(config_variants.variant_config names; 'table' = as tuned).")
 
 VARIANTS = {"fused": (), "no_comm": ("comm",), "no_reduce": ("reduce",),
-            "neither": ("comm", "reduce")}
-_ABLATIONS = flags.DEFINE_list("ablations", list(VARIANTS), f"Which of {list(VARIANTS)}.")
+            "neither": ("comm", "reduce"), "no_add": ("comm", "owner_add")}
+_ABLATIONS = flags.DEFINE_list("ablations", ["fused", "no_comm", "no_reduce", "neither"],
+                               f"Which of {list(VARIANTS)}.")
 
 
 def require_gpu(jax) -> None:

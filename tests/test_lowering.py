@@ -79,7 +79,7 @@ def test_loopback_and_local_lower(d):
 def test_rank_alone_lowers(d, m, n, k_shard, config):
   x = jax.ShapeDtypeStruct((m, k_shard), jnp.bfloat16)
   w = jax.ShapeDtypeStruct((k_shard, n), jnp.bfloat16)
-  for ablate in (("comm",), ("comm", "reduce")):
+  for ablate in (("comm",), ("comm", "reduce"), ("comm", "owner_add")):
     f = functools.partial(fused.rank_alone, num_devices=d, rank=d - 1, config=config,
                           ablate=ablate)
     exported = jax.export.export(jax.jit(f), platforms=["cuda"])(x, w)
@@ -100,8 +100,9 @@ def test_owner_spread_lowers(d, m, n, k_shard):
   _export_shard_map(m, n, k_shard * d, d, config=cfg)
   x = jax.ShapeDtypeStruct((m, k_shard), jnp.bfloat16)
   w = jax.ShapeDtypeStruct((k_shard, n), jnp.bfloat16)
-  f = functools.partial(fused.rank_alone, num_devices=d, config=cfg, ablate=("comm",))
-  jax.export.export(jax.jit(f), platforms=["cuda"])(x, w)
+  for ablate in (("comm",), ("comm", "owner_add")):
+    f = functools.partial(fused.rank_alone, num_devices=d, config=cfg, ablate=ablate)
+    jax.export.export(jax.jit(f), platforms=["cuda"])(x, w)
 
 
 def test_owner_spread_needs_the_direct_push():

@@ -36,7 +36,7 @@ def _swizzled(block_minor_elems: int, dtype) -> tuple:
 
 
 ABLATIONS = frozenset({"comm", "reduce", "gemm", "stage_wait", "recv_store", "owner_wait",
-                       "comm_signal"})
+                       "comm_signal", "owner_add"})
 
 
 def _strided_loop(start, stride, total, body):
@@ -68,7 +68,9 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, own_gmem=N
   "recv_store" drops a pulling comm CTA's store of what it pulled (its loads alone);
   "owner_wait" drops the owner's wait for its partials (no CTA spins on the counters; with
   owner_spread, for its own partial too);
-  "comm_signal" (only with "owner_wait") drops the comm CTAs' per-tile landed signals too, so
+  "owner_add" keeps the owner's loads of the received partials but not its reads of them into
+  registers and adds (which of the two its sum waits on); "comm_signal" (only with
+  "owner_wait") drops the comm CTAs' per-tile landed signals too, so
   that they only move data.
   """
   assert skip <= ABLATIONS, skip
@@ -237,8 +239,9 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, own_gmem=N
           for _ in range(len(loads) // len(epi_tiles)):
             buf = i % recv_stages
             plgpu.barrier_wait(part_barrier.at[wg_idx * recv_stages + buf])
-            part = part_smem[wg_idx, buf].astype(jnp.float32)
-            own, run = spread_lib.add_partial(own, run, part, ring=ring, out_dtype=out_dtype)
+            if "owner_add" not in skip:
+              part = part_smem[wg_idx, buf].astype(jnp.float32)
+              own, run = spread_lib.add_partial(own, run, part, ring=ring, out_dtype=out_dtype)
             if i + recv_stages < len(loads):
               plgpu.commit_smem()  # Every thread has read `buf` before TMA overwrites it.
               issue(i + recv_stages)
@@ -378,7 +381,8 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, own_gmem=N
             where=where, tiles=tiles, group=group, part_dtype=part_dtype, out_dtype=out_dtype,
             tile_slices=tile_slices, transforms=_swizzled, recv_local=recv_local,
             own_local=own_local, out_local=out_gmem, slot_order=slot_order, peers=comm_on,
-            wait="owner_wait" not in skip, partials=reduce_on), cta_index, num_compute)
+            wait="owner_wait" not in skip, partials=reduce_on, add="owner_add" not in skip),
+            cta_index, num_compute)
 
   if num_comm and comm_on:
     ctx = comm_lib.CommContext(

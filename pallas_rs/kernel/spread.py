@@ -48,6 +48,7 @@ class SpreadContext:
   peers: bool = True  # False under the "comm" ablation: only the own partial is awaited
   wait: bool = True  # False under the "owner_wait" ablation
   partials: bool = True  # False under the "reduce" ablation: the own partial alone
+  add: bool = True  # False under the "owner_add" ablation: the partials loaded, not added
 
 
 def _round(x, dtype):
@@ -129,6 +130,8 @@ def spread_program(ctx: SpreadContext, cta_index, num_compute) -> None:
         own = wgmma(own_smem.at[wg_idx])
       for i in range(n_srcs):  # body.reduce_tile's arithmetic, in its order.
         plgpu.barrier_wait(part_barrier.at[wg_idx * n_srcs + i])
+        if i < len(slots) and not ctx.add:
+          continue
         part = wgmma(part_smem.at[wg_idx, i]).astype(jnp.float32)
         if i < len(slots):
           own, run = add_partial(own, run, part, ring=ring, out_dtype=ctx.out_dtype)
