@@ -1,10 +1,11 @@
 """pytest setup: 8 forced host devices, skips for the gpu/multigpu markers, the slow layer.
 
 Tests marked `slow` (the CUDA lowering of every seed shape at D = 8 and of every tuning-table
-config, the experiment scripts' end-to-end runs, the larger-D numerics sweeps) are deselected
-unless `--runslow` or PALLAS_RS_RUNSLOW=1 (or `-m` names the marker): `python -m pytest -q tests`
-stays a few minutes on a 2-core machine; `python -m pytest -q tests -m slow` runs the slow layer
-alone, `--runslow` everything; CI (.ci/run) runs both layers.
+config, the experiment scripts' end-to-end runs, the larger-D numerics sweeps, and the further
+cases of a path that a fast test already checks) are deselected unless `--runslow` or
+PALLAS_RS_RUNSLOW=1 (or `-m` names the marker): `python -m pytest -q tests` stays a few minutes
+on a 2-core machine; `python -m pytest -q tests -m slow` runs the slow layer alone,
+`--runslow` everything; CI (.ci/run) runs both layers.
 
 XLA_FLAGS must be set before jax is first imported, hence at the top of the
 conftest (pytest imports it before any test module).

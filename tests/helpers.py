@@ -33,6 +33,18 @@ AXIS = "x"
 UNIT_ROUNDOFF = {"bfloat16": 2.0**-8, "float32": 2.0**-24}
 
 
+# "ci" cases (pallas_rs.bench.shapes) whose parametrized forward and VJP tests are in the slow
+# layer (tests/conftest.py): three of the four scaled-down seed projections at D = 8, the path
+# of the fourth (ci_llama70b_o_proj_d8, fast) at other n and k.
+SLOW_CI_CASES = frozenset({"ci_llama70b_down_proj_d8", "ci_mixtral8x22b_o_proj_d8",
+                           "ci_mixtral8x22b_w2_d8"})
+
+
+def ci_marks(case):
+  """The pytest marks of a "ci" case's forward and VJP tests: slow for SLOW_CI_CASES."""
+  return pytest.mark.slow if case.name in SLOW_CI_CASES else ()
+
+
 def np_dtype(dtype) -> np.dtype:
   """numpy dtype for a name ("bfloat16" uses ml_dtypes)."""
   return np.dtype(ml_dtypes.bfloat16 if str(dtype) == "bfloat16" else dtype)

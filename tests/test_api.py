@@ -33,9 +33,9 @@ def _dim1_ok(case):
 
 @pytest.mark.parametrize(
     "case,scatter_dimension,implementation",
-    [pytest.param(c, 0, impl, id=f"{c.name}-dim0-{impl}")
+    [pytest.param(c, 0, impl, id=f"{c.name}-dim0-{impl}", marks=helpers.ci_marks(c))
      for c in CI for impl in ("xla", "auto")]
-    + [pytest.param(c, 1, "xla", id=f"{c.name}-dim1-xla")
+    + [pytest.param(c, 1, "xla", id=f"{c.name}-dim1-xla", marks=helpers.ci_marks(c))
        for c in CI if _dim1_ok(c)])
 def test_forward_matches_numpy(case, scatter_dimension, implementation):
   mesh = helpers.make_mesh(case.num_devices)

@@ -301,6 +301,7 @@ def test_proxy8_flag_selects_the_proxies(bench):
     assert bench.select_cases("multi_gpu") == list(shapes.select("proxy8"))
 
 
+@pytest.mark.slow  # An experiment script end to end (~10 s): the slow layer (tests/conftest.py).
 def test_readme_plot_command_on_the_committed_results(tmp_path):
   # experiments/README.md's plot command, as written but for --out_dir: every committed JSON is
   # plotted or skipped with one line (autotune, numerics, probe and check files are other
@@ -342,6 +343,7 @@ harness.sharded_records = sharded_records
 """
 
 
+@pytest.mark.slow  # An experiment script end to end: the slow layer (tests/conftest.py).
 def test_progress_lines_and_json_written_after_each_shape(tmp_path):
   # A run cut short (an exception at shape 3, --keep_going off) keeps the 2 shapes it measured:
   # a line per shape as it completes, and the JSON rewritten after each.

@@ -306,11 +306,13 @@ def test_eager_signal_configs_lower(eager):
                     platforms=["cuda"])(xs, ws)
 
 
-# Every communication path at D = 2 in the fast layer; at D = 8 (10-30 s each on 2 CPU cores)
-# in the slow layer (tests/conftest.py).
+# Fast layer, at D = 2: the direct push, the pushing comm CTAs, both partial dtypes and the
+# whole-tile epilogue slots. Slow layer (tests/conftest.py): the pushing comm CTAs with float32
+# partials (each half lowered by another case) and D = 8 (10-30 s each on 2 CPU cores).
 @pytest.mark.parametrize("d", [2, pytest.param(8, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("comm,out_slots,partial_dtype", [
-    (0, 0, "float32"), (4, 0, "bfloat16"), (2, 0, "float32"), (0, 4, "bfloat16")])
+    (0, 0, "float32"), (4, 0, "bfloat16"), pytest.param(2, 0, "float32", marks=pytest.mark.slow),
+    (0, 4, "bfloat16")])
 def test_comm_ctas_and_partial_dtypes_lower(d, comm, out_slots, partial_dtype):
   """The communication paths of docs/design.md 3.2, whole-tile epilogue slots and both partial
   dtypes: under shard_map, in loopback, and with the communication ablated."""
@@ -355,8 +357,11 @@ def test_sixteen_pulling_comm_ctas_lower_in_loopback():
   assert exported.out_avals[0].shape == (2, 512, 2048)
 
 
+# Fast layer: float32 partials, every ablation. Slow layer (tests/conftest.py): "unfused_order"
+# (the fast layer lowers its pull in test_sixteen_pulling_comm_ctas_lower_in_loopback), D = 8.
 @pytest.mark.parametrize("d", [2, pytest.param(8, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("numerics", ["unfused_order", "fp32_partials"])
+@pytest.mark.parametrize("numerics", [pytest.param("unfused_order", marks=pytest.mark.slow),
+                                      "fp32_partials"])
 def test_pull_comm_ctas_lower_in_loopback(d, numerics):
   """Kernel v3 with pulling comm CTAs (docs/design.md section 3.2): loopback reads a peer's
   staging buffer with a plain TMA load, which lowers on every supported jax."""
@@ -402,7 +407,8 @@ def test_warpgroups_along_m_lower(d, comm):
                     platforms=["cuda"])(xs, ws)
 
 
-@pytest.mark.parametrize("d", [2, 4, 8])
+# D = 4 in the slow layer (tests/conftest.py): the loopback path of D = 2 and 8 (fast).
+@pytest.mark.parametrize("d", [2, pytest.param(4, marks=pytest.mark.slow), 8])
 def test_pairs_lower(d):
   # 64-row chunks under a 128-row CTA tile (schedule.chunk_group 2), in loopback at D = 2/4/8
   # and, at D = 8, Llama o_proj M = 512 under shard_map.

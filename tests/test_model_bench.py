@@ -60,7 +60,11 @@ def test_no_comm_has_no_collectives_and_the_same_dot_flops(pass_name):
   assert no_comm.dot_flops(real) == no_comm.dot_flops(local) > 0
 
 
-@pytest.mark.parametrize("layer", no_comm.LAYERS)
+# One column-parallel (qkv) and one row-parallel (o_proj) layer in the fast layer; the other
+# two, the same replacements in another layer, in the slow layer (tests/conftest.py).
+@pytest.mark.parametrize("layer", [
+    pytest.param(layer, marks=pytest.mark.slow if layer in ("gate_up", "down_proj") else ())
+    for layer in no_comm.LAYERS])
 def test_one_layer_without_communication(layer):
   real = no_comm.collectives(_hlo((), "forward_backward"))
   one = no_comm.collectives(_hlo((layer,), "forward_backward"))

@@ -296,20 +296,28 @@ def _sequential_f32(partials):
   return np.stack(out)
 
 
+@functools.cache
+def _family_generator(m, k, n):
+  """One input (x, w) of a family by index and a seed, jitted once per shape: the family and
+  seed are traced, so every family, seed count and test at a shape share one compile (the
+  compiles were most of these tests' time). The same bits as `family_inputs` by name
+  (test_family_index_traced_matches_name_and_ranks_differ)."""
+  return jax.jit(lambda s, fam: nm.family_inputs(jax.random.fold_in(jax.random.key(0), s), fam,
+                                                 m=m, k=k, n=n))
+
+
 def _family_batch(family, d, seeds, chunk=64, n=128, k_shard=64):
-  m, k = chunk * d, k_shard * d
-  gen = jax.jit(jax.vmap(lambda s: nm.family_inputs(jax.random.fold_in(jax.random.key(0), s),
-                                                    family, m=m, k=k, n=n)))
-  xb, wb = gen(jnp.asarray(seeds, jnp.int32))
-  return np.asarray(xb), np.asarray(wb)
+  gen = _family_generator(chunk * d, k_shard * d, n)
+  fam = jnp.int32(nm.FAMILIES.index(family))
+  xs, ws = zip(*((np.asarray(x), np.asarray(w)) for x, w in
+                 (gen(jnp.int32(s), fam) for s in seeds)))
+  return np.stack(xs), np.stack(ws)
 
 
+# Every family at every D in the fast layer: with one compile per shape (_family_generator) a
+# case is ~0.2 s on 2 CPU cores once its D's first case has run (5-10 s each before: slow).
 @pytest.mark.parametrize("d,family", [
-    # Every family at D = 2 and every D for one family in the fast layer; the rest is slow
-    # (5-10 s each on 2 CPU cores; tests/conftest.py).
-    pytest.param(d, family, marks=() if d == 2 or family == nm.FAMILIES[0] else pytest.mark.slow,
-                 id=f"{family}-{d}")
-    for family in nm.FAMILIES for d in (2, 4, 8)])
+    pytest.param(d, family, id=f"{family}-{d}") for family in nm.FAMILIES for d in (2, 4, 8)])
 def test_float32_partials_keep_the_rule_by_construction(d, family):
   draws = 12
   xb, wb = _family_batch(family, d, range(draws))

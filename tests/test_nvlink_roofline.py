@@ -114,6 +114,7 @@ def test_refuses_nvls(tmp_path, monkeypatch):
   assert proc.returncode != 0 and "NCCL_NVLS_ENABLE='1'" in proc.stderr
 
 
+@pytest.mark.slow  # The script end to end with stand-ins: the slow layer (tests/conftest.py).
 def test_plumbing_with_stand_ins(tmp_path):
   result, stdout = _run(
       ["--ctas=1,2,200", "--inflight=1,2", "--bytes_per_cta_kb=128", "--hol_ctas=4",

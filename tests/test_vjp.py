@@ -57,9 +57,9 @@ def autodiff_tolerance(dtype) -> float:
 
 @pytest.mark.parametrize(
     "case,scatter_dimension,implementation",
-    [pytest.param(c, 0, impl, id=f"{c.name}-dim0-{impl}")
+    [pytest.param(c, 0, impl, id=f"{c.name}-dim0-{impl}", marks=helpers.ci_marks(c))
      for c in shapes.select("ci") for impl in ("xla", "auto")]
-    + [pytest.param(c, 1, "xla", id=f"{c.name}-dim1-xla")
+    + [pytest.param(c, 1, "xla", id=f"{c.name}-dim1-xla", marks=helpers.ci_marks(c))
        for c in shapes.select("ci") if c.n % c.num_devices == 0])
 def test_vjp(case, scatter_dimension, implementation):
   mesh = helpers.make_mesh(case.num_devices)
