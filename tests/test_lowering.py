@@ -22,9 +22,8 @@ SEEDS = shapes.select(tags="seed")
 
 def _seed_params_at_d8():
   """The 16 seed shapes at D = 8; in the fast layer the first of each distinct default kernel
-  config (today tile_m 64 at m = 512 and tile_m 128 above), so that a config family that fails
-  to lower fails the default run; the others are slow (4-7 s each on 2 CPU cores;
-  tests/conftest.py)."""
+  config (pairs at m = 512 among them), so that a config family that fails to lower fails the
+  default run; the others are slow (4-7 s each on 2 CPU cores; tests/conftest.py)."""
   seen, params = set(), []
   for case in SEEDS:
     cfg = config_lib.default_config(m=case.m, n=case.n, k_shard=case.k // 8, num_devices=8)
@@ -410,8 +409,9 @@ def test_warpgroups_along_m_lower(d, comm):
 # D = 4 in the slow layer (tests/conftest.py): the loopback path of D = 2 and 8 (fast).
 @pytest.mark.parametrize("d", [2, pytest.param(4, marks=pytest.mark.slow), 8])
 def test_pairs_lower(d):
-  # 64-row chunks under a 128-row CTA tile (schedule.chunk_group 2), in loopback at D = 2/4/8
-  # and, at D = 8, Llama o_proj M = 512 under shard_map.
+  # 64-row chunks under a 128-row CTA tile (schedule.chunk_group 2), in loopback at D = 2/4/8;
+  # under shard_map, test_seed_shapes_lower_at_d8 lowers the default of Llama o_proj M = 512
+  # at D = 8, which is pairs (checked here).
   cfg = config_lib.fit_smem(config_lib.with_numerics(config_lib.Config(
       tile_m=64, tile_n=256, wg_dimension=config_lib.MatmulDimension.M),
       config_lib.default_numerics(d), d), d)
@@ -420,4 +420,5 @@ def test_pairs_lower(d):
   jax.export.export(jax.jit(functools.partial(fused.loopback_matmul_reduce_scatter, config=cfg)),
                     platforms=["cuda"])(xs, ws)
   if d == 8:
-    _export_shard_map(512, 8192, 8192, 8, config=cfg)
+    default = config_lib.default_config(m=512, n=8192, k_shard=1024, num_devices=8)
+    assert default.chunk_group(512, 8) == 2
