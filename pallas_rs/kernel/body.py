@@ -157,10 +157,9 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, own_gmem=N
     scoped["part_smem"] = plgpu.SMEM((_NUM_COMPUTE_WGS, recv_stages, epi_m, epi_n), part_dtype,
                                      transforms=part_transforms)
     scoped["part_barrier"] = plgpu.Barrier(num_barriers=_NUM_COMPUTE_WGS * recv_stages)
-  if d > 1:
-    if part_dtype != out_dtype:
-      scoped["send_smem"] = plgpu.SMEM((_NUM_COMPUTE_WGS, num_out_slots, epi_m, epi_n),
-                                       part_dtype, transforms=part_transforms)
+  if d > 1 and part_dtype != out_dtype:
+    scoped["send_smem"] = plgpu.SMEM((_NUM_COMPUTE_WGS, num_out_slots, epi_m, epi_n),
+                                     part_dtype, transforms=part_transforms)
   if own_f32:  # One fp32 sub-tile slot per warpgroup for the own partial on its way out.
     scoped["own_smem"] = plgpu.SMEM((_NUM_COMPUTE_WGS, epi_m, epi_n), jnp.float32,
                                     transforms=_swizzled(epi_n, jnp.float32))

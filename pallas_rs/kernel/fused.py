@@ -301,7 +301,8 @@ def rank_alone(x, w, *, num_devices: int, rank: int = 0, config: Config | None =
   """Timing only, on one GPU: rank `rank`'s program of the D-device kernel on all of this GPU's
   CTAs, outside shard_map and with no peers: x [m, k_shard], w [k_shard, n] -> [m // D, n]
   (not the reduce-scatter). `ablate` must contain "comm" (every partial tile is stored into this
-  rank's own buffers; nothing is signalled or awaited); with "reduce" too it is the GEMM core in
+  rank's own buffers; nothing is signalled or awaited but owner_spread's local flag); with
+  "reduce" too it is the GEMM core in
   the kernel's chunked tile walk. So it measures a GPU of a D-device run without NVLink, the
   waits and XLA's barrier before a collective kernel: with the chunk, tile and pair structure
   of D devices, which `local_matmul` (D = 1) lacks."""
