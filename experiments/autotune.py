@@ -385,6 +385,14 @@ def ag_problem(case, d: int) -> dict[str, int]:
   return {"m_shard": case.m // d, "k": case.n, "n": case.k // d}
 
 
+def ag_candidates(prob: dict[str, int]) -> list:
+  """The all-gather matmul configs tried for `prob` (ag_problem): candidates.ag_tile_variants,
+  the kernel's default first, at most --max_configs of them."""
+  from pallas_rs.tuning import candidates  # pylint: disable=g-import-not-at-top
+  cfgs = candidates.ag_tile_variants(prob["m_shard"], prob["k"], prob["n"])
+  return cfgs[:FLAGS.max_configs] if FLAGS.max_configs > 0 else cfgs
+
+
 def tune_ag_multi_gpu(case, env) -> tuple[list[dict], list[dict]]:
   """jax's fused all-gather matmul vs XLA's all-gather + dot, one entry (op "ag_matmul")."""
   import jax  # pylint: disable=g-import-not-at-top
@@ -395,21 +403,18 @@ def tune_ag_multi_gpu(case, env) -> tuple[list[dict], list[dict]]:
   from pallas_rs.kernel import ag_matmul  # pylint: disable=g-import-not-at-top
   from pallas_rs import reference  # pylint: disable=g-import-not-at-top
   from pallas_rs.bench import testing  # pylint: disable=g-import-not-at-top
-  from pallas_rs.tuning import candidates  # pylint: disable=g-import-not-at-top
 
   devices = jax.devices()
   d = FLAGS.num_devices or len(devices)
   prob = ag_problem(case, d)
   cfgs = []
-  for cand in candidates.ag_tile_variants(prob["m_shard"], prob["k"], prob["n"]):
+  for cand in ag_candidates(prob):
     try:
       cfgs.append(ag_matmul.check_supported(**prob, dtype=jnp.bfloat16,
                                             out_dtype=jnp.bfloat16, num_devices=d,
                                             config=cand))
     except NotImplementedError as e:
       logging.warning("%s: all-gather matmul config does not apply: %s", case.name, e)
-  if FLAGS.max_configs > 0:
-    cfgs = cfgs[:FLAGS.max_configs]
   if not cfgs:
     return [], []
   mesh = jax.sharding.Mesh(np.array(devices[:d]), (AXIS,))
@@ -485,9 +490,7 @@ def dry_run(cases) -> None:
     if FLAGS.op == "ag_matmul":
       d = FLAGS.num_devices or case.num_devices
       prob = ag_problem(case, d)
-      cfgs = candidates.ag_tile_variants(prob["m_shard"], prob["k"], prob["n"])
-      if FLAGS.max_configs > 0:
-        cfgs = cfgs[:FLAGS.max_configs]
+      cfgs = ag_candidates(prob)
       print(f"{case.name} (D={d}): ag_matmul {prob}: XLA and "
             + " ".join(f"m{c.tile_m}n{c.tile_n}/{c.wg_dimension.name}" for c in cfgs))
       total += len(cfgs) + 1

@@ -33,7 +33,7 @@ Unfused path (`unfused_reduce_scatter`), what XLA + NCCL compute for
   after an fp32 reduce-scatter (no rounding of the partials, fp32 sum, one rounding): the GPU
   baseline run (experiments/numerics.py --what=baseline) tells which one XLA really runs.
 
-Fused path (`fused_owner_sum`), what kernel.py's `reduce_tile` computes on rank r, in one of
+Fused path (`fused_owner_sum`), what body.py's `reduce_tile` computes on rank r, in one of
 the numerics modes (`NUMERICS_MODES`, config.NUMERICS_MODES: name ->
 (Config.partial_dtype, Config.owner_sum)):
   owner_sum="fp32" ("fp32_partials", "bf16_partials"): acc = own fp32 partial P_r (never

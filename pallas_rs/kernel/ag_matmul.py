@@ -110,8 +110,7 @@ def tiling_problem(config, *, m_shard: int, k: int, n: int) -> str | None:
   columns, and with the N split the second warpgroup's w columns must start on a 64-column
   swizzle tile."""
   from pallas_rs.kernel import config as config_lib  # pylint: disable=g-import-not-at-top
-  wg_m = config.wg_dimension == config_lib.MatmulDimension.M
-  if not wg_m and config.tile_n % 64:
+  if not config_lib.wg_split_aligned(config.tile_n, config.wg_dimension):
     return f"tile_n={config.tile_n} a multiple of 64 with the warpgroups along N"
   cta_tile_m, cta_tile_n = config_lib.cta_tile(config.tile_m, config.tile_n,
                                                config.wg_dimension)

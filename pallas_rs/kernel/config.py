@@ -37,9 +37,15 @@ NUMERICS_MODES = {
 }
 
 
+def wg_split_aligned(tile_n: int, wg_dimension) -> bool:
+  """Whether w's SMEM block splits between the warpgroups: along N at column tile_n, on the
+  128-byte swizzle's 64-column tiles (Mosaic GPU refuses other slices). Config and jax's too."""
+  return MatmulDimension(wg_dimension) == MatmulDimension.M or tile_n % 64 == 0
+
+
 def cta_tile(tile_m: int, tile_n: int, wg_dimension) -> tuple[int, int]:
-  """(rows, columns) of a CTA tile: two `tile_m x tile_n` warpgroup tiles side by side along
-  `wg_dimension` (this kernel's Config and jax's TuningConfig alike)."""
+  """(rows, columns) of a CTA tile: two `tile_m x tile_n` warpgroup tiles along `wg_dimension`
+  (Config and jax's TuningConfig alike)."""
   if MatmulDimension(wg_dimension) == MatmulDimension.M:
     return 2 * tile_m, tile_n
   return tile_m, 2 * tile_n
@@ -216,17 +222,16 @@ class Config:
       if not self.owner_spread:
         total += 2 * self.recv_stages * epi * self.partial_itemsize
       else:  # The own partial's fp32 slot; the sum has a scope of its own (spread.py).
-        own_f32 = 2 * epi * 4 if self.own_partial_itemsize == 4 else 0
-        loads = num_devices - 1 + (0 if own_f32 else 1)
-        spread = 2 * epi * (itemsize + loads * self.partial_itemsize) + own_f32
-        total = max(total + own_f32, spread)
+        own_slot = 2 * epi * 4 if self.own_partial_itemsize == 4 else 0
+        loads = num_devices - 1 + (0 if own_slot else 1)
+        spread = 2 * epi * (itemsize + loads * self.partial_itemsize) + own_slot
+        total = max(total + own_slot, spread)
     return total + SMEM_SLACK_BYTES
 
   @property
   def own_partial_itemsize(self) -> int:
-    """Bytes per element of the own partial that `owner_spread` stores: fp32 for the fp32 sum
-    (an SMEM slot per warpgroup of its own), else the partial dtype's (the ring rounds the own
-    partial to it anyway). 0 without owner_spread."""
+    """Bytes per element of the own partial `owner_spread` stores (0 without): 4 for the fp32
+    sum (an SMEM slot of its own), else the partial dtype's (the ring rounds it to that)."""
     if not self.owner_spread:
       return 0
     return 4 if self.owner_sum == "fp32" else self.partial_itemsize
@@ -267,9 +272,7 @@ class Config:
     if self.owner_spread and num_devices > 1 and self.comm_ctas:
       raise NotImplementedError(
           f"owner_spread runs only with the direct push, got comm_ctas={self.comm_ctas}")
-    if self.wg_dimension == MatmulDimension.N and self.tile_n % 64:
-      # The warpgroups split w's SMEM block at column tile_n, which must fall on its 128-byte
-      # swizzle's 64-column tiles (Mosaic GPU refuses the slice otherwise).
+    if not wg_split_aligned(self.tile_n, self.wg_dimension):
       raise NotImplementedError(
           f"tile_n={self.tile_n} with the warpgroups side by side along N must be a multiple "
           "of 64; wg_dimension=M takes it")
@@ -354,8 +357,7 @@ def _largest_steps(base: Config, num_devices: int, upper: int = 6) -> Config:
 # beat the same 128 x 256 CTA tile split along N by 0-2.5% on 13 of 16; 128 x 192 tiles cost
 # ~2% more per area but fill the SMs where 128 x 256 ones leave them idle (Mixtral M = 512: 96
 # tiles on 132 SMs; 0.79-0.90x XLA's dot instead of 0.98-1.08x); 128 x 128 and 64 x 256 CTA
-# tiles cost ~9-10% more, 64 x 128 ones 46-65% more (the M split's 128 x 128 and 128 x 64: not
-# measured, guesses).
+# tiles cost ~9-10% more, 64 x 128 ones 46-65% more (the M split's 128 x 128 and 128 x 64: guessed).
 _DEFAULT_TILES = {(64, 256, MatmulDimension.M): 1.0, (64, 192, MatmulDimension.M): 1.02,
                   (128, 128, MatmulDimension.N): 1.01, (128, 64, MatmulDimension.N): 1.09,
                   (64, 128, MatmulDimension.M): 1.09, (64, 128, MatmulDimension.N): 1.1,

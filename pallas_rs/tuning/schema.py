@@ -291,8 +291,9 @@ def make_entry(*, op: str = DEFAULT_OP, gpu_kind: str, num_devices: int, m: int,
   """A table entry from raw times: "fused" only if its median beats XLA's by `margin`
   (the autotuner's rule; an empty list means "not measured"). `fallback` (config JSON, its
   times): kept only if it too beats XLA's median by `margin` (`entry_fallback`)."""
-  fused_wins = (bool(fused_us) and bool(xla_us)
-                and statistics.median(fused_us) < (1.0 - margin) * statistics.median(xla_us))
+  beats_xla = lambda us: (bool(us) and bool(xla_us) and
+                          statistics.median(us) < (1.0 - margin) * statistics.median(xla_us))
+  fused_wins = beats_xla(fused_us)
   entry = {
       "key": {"gpu_kind": gpu_kind, "num_devices": num_devices, "m": m, "n": n,
               "k_shard": k_shard, "dtype": dtype},
@@ -305,7 +306,6 @@ def make_entry(*, op: str = DEFAULT_OP, gpu_kind: str, num_devices: int, m: int,
   }
   if mode is not None:
     entry["mode"] = mode
-  if (fallback is not None and fallback[1] and xla_us
-      and statistics.median(fallback[1]) < (1.0 - margin) * statistics.median(xla_us)):
+  if fallback is not None and beats_xla(fallback[1]):
     entry["fallback"] = {"config": fallback[0], "times_us": list(fallback[1])}
   return entry
