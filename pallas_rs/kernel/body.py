@@ -217,17 +217,23 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, own_gmem=N
         loads = [(mi, ni, j) for mi, ni in epi_tiles for j in slot_order]
         if not reduce_on:
           loads = []
+        # With pairs one warpgroup of the CTA (rank % 2's) sums and the other only sends, so
+        # the summing one takes both warpgroups' receive stages: twice the loads in flight.
+        stages = _NUM_COMPUTE_WGS * recv_stages if pairs else recv_stages
+
+        def stage(i):
+          """(SMEM slot, barrier) of load i."""
+          buf = i % stages
+          if pairs:
+            return part_smem.at[buf // recv_stages, buf % recv_stages], part_barrier.at[buf]
+          return part_smem.at[wg_idx, buf], part_barrier.at[wg_idx * recv_stages + buf]
 
         def issue(i):
           mi, ni, j = loads[i]
           sm, sn = epi_slices(mi, ni)
-          buf = i % recv_stages
-          plgpu.copy_gmem_to_smem(
-              recv_local.at[j].at[slices].at[sm, sn],
-              part_smem.at[wg_idx, buf],
-              part_barrier.at[wg_idx * recv_stages + buf])
+          plgpu.copy_gmem_to_smem(recv_local.at[j].at[slices].at[sm, sn], *stage(i))
 
-        for i in range(min(recv_stages, len(loads))):
+        for i in range(min(stages, len(loads))):
           issue(i)
         i = 0
         summed = []
@@ -236,14 +242,14 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, own_gmem=N
           own = acc[sm, sn]
           run = None  # bf16_ring: the running bf16 sum (held in f32)
           for _ in range(len(loads) // len(epi_tiles)):
-            buf = i % recv_stages
-            plgpu.barrier_wait(part_barrier.at[wg_idx * recv_stages + buf])
+            slot, barrier = stage(i)
+            plgpu.barrier_wait(barrier)
             if "owner_add" not in skip:
-              part = part_smem[wg_idx, buf].astype(jnp.float32)
+              part = slot[...].astype(jnp.float32)
               own, run = spread_lib.add_partial(own, run, part, ring=ring, out_dtype=out_dtype)
-            if i + recv_stages < len(loads):
-              plgpu.commit_smem()  # Every thread has read `buf` before TMA overwrites it.
-              issue(i + recv_stages)
+            if i + stages < len(loads):
+              plgpu.commit_smem()  # Every thread has read `slot` before TMA overwrites it.
+              issue(i + stages)
             i += 1
           own = spread_lib.finish_sum(own, run, ring=ring, out_dtype=out_dtype)
           summed.append(own.astype(out_dtype))
