@@ -80,7 +80,6 @@ def summarize(events: list[dict]) -> dict:
       "first_mainloop_start_us": min(first_main) if first_main else None,
       "last_mainloop_end_us": last_end("mainloop"),
       "last_own_epilogue_end_us": last_end("own_epilogue"),
-      "last_owner_sum_end_us": last_end("owner_sum"),
       "trace_end_us": max(e["ts"] for e in events) - t0,
   }
   if landmarks["last_mainloop_end_us"] is not None:

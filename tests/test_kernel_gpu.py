@@ -168,36 +168,3 @@ def test_pairs_of_64_row_chunks(d, n, k_shard, numerics):
     out = f(xs, ws)
     assert reference.max_rel_error(out, ref) <= 1.1 * reference.max_rel_error(
         _unfused_ring(xs, ws), ref), call
-
-
-# owner_spread: the own chunk's sum after the tile loop, spread over every compute warpgroup,
-# adds the same values in the same order as the owner's epilogue, so every output bit must
-# agree with it (a sub-tile read before its partials or its own partial landed shows up as a
-# difference); the 64-row chunks of D = 8 at M = 512 (pairs) included. Fresh inputs per call.
-_WG_M = config_lib.MatmulDimension.M
-
-
-@pytest.mark.parametrize("numerics", list(config_lib.NUMERICS_MODES))
-@pytest.mark.parametrize("d,m,n,k_shard,tiles", [
-    (2, 512, 1024, 512, None), (4, 1024, 1536, 512, (64, 192, _WG_M)),
-    (8, 2048, 1024, 512, None), (8, 512, 2048, 1024, (64, 256, _WG_M))])
-def test_owner_spread_bit_identical_to_the_owner_epilogue(d, m, n, k_shard, tiles, numerics):
-  base = config_lib.default_config(m=m, n=n, k_shard=k_shard, num_devices=d)
-  if tiles:
-    base = dataclasses.replace(base, tile_m=tiles[0], tile_n=tiles[1], wg_dimension=tiles[2])
-  base = config_lib.with_numerics(base, numerics, d)
-  spread = config_lib.fit_smem(dataclasses.replace(base, owner_spread=True), d)
-  for cfg in (base, spread):  # Both must run: a rejected config is a failure here, not a skip.
-    fused.check_supported(m=m, k_shard=k_shard, n=n, dtype=jnp.bfloat16, num_devices=d,
-                          config=cfg, loopback=True)
-  assert (m // d == 64) == (spread.chunk_group(m, d) == 2)  # pairs at 64-row chunks
-  owner = jax.jit(functools.partial(fused.loopback_matmul_reduce_scatter, config=base))
-  spread_fn = jax.jit(functools.partial(fused.loopback_matmul_reduce_scatter, config=spread))
-  for call in range(3):
-    xs, ws = testing.stacked_inputs(3000 * d + m + call, d, m, k_shard, n)
-    want, got = np.asarray(owner(xs, ws)), np.asarray(spread_fn(xs, ws))
-    mismatch = np.flatnonzero(want.view(np.uint16) != got.view(np.uint16))
-    assert mismatch.size == 0, (call, mismatch.size, mismatch[:8])
-    ref = testing.stacked_reference(xs, ws)
-    assert reference.max_rel_error(got, ref) <= 1.1 * reference.max_rel_error(
-        _unfused_ring(xs, ws), ref)

@@ -3,7 +3,6 @@
 Lowering runs Mosaic GPU's compiler up to its own checks (shared-memory budget, tiling, TMA
 boxes, layouts), so a config that cannot compile fails here, without a GPU.
 """
-import dataclasses
 import functools
 
 import jax
@@ -84,30 +83,6 @@ def test_rank_alone_lowers(d, m, n, k_shard, config):
     exported = jax.export.export(jax.jit(f), platforms=["cuda"])(x, w)
     assert exported.out_avals[0].shape == (m // d, n)
     assert "mosaic_gpu" in exported.mlir_module()
-
-
-# owner_spread (the own chunk's sum after the tile loop over every compute warpgroup): D = 2
-# (ring: the own partial in bf16), D = 4 (fp32 partials: an fp32 own slot), D = 8 at M = 512
-# (pairs, bf16 partials with the fp32 own partial), under shard_map and alone.
-@pytest.mark.parametrize("d,m,n,k_shard", [
-    (2, 512, 8192, 4096), pytest.param(4, 1024, 6144, 2048, marks=pytest.mark.slow),
-    (8, 512, 8192, 1024)])
-def test_owner_spread_lowers(d, m, n, k_shard):
-  cfg = config_lib.fit_smem(dataclasses.replace(
-      config_lib.default_config(m=m, n=n, k_shard=k_shard, num_devices=d), owner_spread=True), d)
-  assert cfg.owner_spread and (cfg.chunk_group(m, d) == 2) == (d == 8)
-  _export_shard_map(m, n, k_shard * d, d, config=cfg)
-  x = jax.ShapeDtypeStruct((m, k_shard), jnp.bfloat16)
-  w = jax.ShapeDtypeStruct((k_shard, n), jnp.bfloat16)
-  for ablate in (("comm",), ("comm", "owner_add")):
-    f = functools.partial(fused.rank_alone, num_devices=d, config=cfg, ablate=ablate)
-    jax.export.export(jax.jit(f), platforms=["cuda"])(x, w)
-
-
-def test_owner_spread_needs_the_direct_push():
-  cfg = config_lib.Config(owner_spread=True, comm_ctas=2)
-  with pytest.raises(NotImplementedError, match="owner_spread runs only with the direct push"):
-    cfg.check_shape(m=512, n=1024, k_shard=512, num_devices=2)
 
 
 @pytest.mark.parametrize("kwargs,match", [

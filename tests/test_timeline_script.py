@@ -38,8 +38,8 @@ def test_summary_of_a_two_warpgroup_trace(timeline):
   assert s["phases"]["owner_wait"]["median_us"] == 2.5
   assert s["phases"]["own_epilogue"]["count"] == 1
   assert s["landmarks"] == {"first_mainloop_start_us": 0.0, "last_mainloop_end_us": 22.0,
-                            "last_own_epilogue_end_us": 27.0, "last_owner_sum_end_us": None,
-                            "trace_end_us": 27.0, "tail_us": 5.0}
+                            "last_own_epilogue_end_us": 27.0, "trace_end_us": 27.0,
+                            "tail_us": 5.0}
   assert (s["warpgroups"], s["unclosed"]) == (2, 1)
   with pytest.raises(ValueError, match="empty"):
     timeline.summarize([])

@@ -640,31 +640,6 @@ def test_config_json_round_trip_names_the_dimensions():
     tuning.config_from_json(dict(obj, wg_dimension="K"))
 
 
-def test_config_json_owner_spread():
-  cfg = config_lib.Config(owner_spread=True)
-  obj = json.loads(json.dumps(tuning.config_to_json(cfg)))
-  assert obj["owner_spread"] is True and tuning.config_from_json(obj) == cfg
-  del obj["owner_spread"]  # Entries written before the field existed: the owner's epilogue.
-  assert tuning.config_from_json(obj).owner_spread is False
-  with pytest.raises(ValueError, match="owner_spread=1 must be a bool"):
-    tuning.config_from_json(dict(obj, owner_spread=1))
-
-
-def test_owner_spread_shared_memory():
-  # The own partial: fp32 (its own SMEM slot) for the fp32 sum, bf16 (no slot) for the ring;
-  # the tile loop keeps no receive stages, the sum's scope holds every load of a sub-tile.
-  base = config_lib.Config(tile_m=64, tile_n=256, wg_dimension=config_lib.MatmulDimension.M)
-  spread = dataclasses.replace(base, owner_spread=True)
-  ring = dataclasses.replace(spread, owner_sum="bf16_ring")
-  assert (base.own_partial_itemsize, spread.own_partial_itemsize, ring.own_partial_itemsize) == (
-      0, 4, 2)
-  epi = base.epi_tile_m * base.epi_tile_n
-  recv = 2 * base.recv_stages * epi * 2
-  assert spread.smem_bytes(8) == base.smem_bytes(8) - recv + 2 * epi * 4
-  assert ring.smem_bytes(2) == base.smem_bytes(2) - recv
-  assert spread.smem_bytes(1) == base.smem_bytes(1)  # D = 1: no sum to spread
-
-
 def test_autotune_keeps_the_incumbent_within_the_margin():
   # experiments/autotune.py: a challenger config replaces the first candidate (the incumbent)
   # only if it is faster by more than --margin (2026-12-01: 4 pulling CTAs "won" by 0.9% in

@@ -22,7 +22,6 @@ import jax.numpy as jnp
 
 from pallas_rs.kernel import comm as comm_lib
 from pallas_rs.kernel import schedule
-from pallas_rs.kernel import spread as spread_lib
 from pallas_rs.kernel.config import Config
 from pallas_rs.kernel.config import MatmulDimension
 
@@ -39,6 +38,28 @@ ABLATIONS = frozenset({"comm", "reduce", "gemm", "stage_wait", "recv_store", "ow
                        "comm_signal", "owner_add"})
 
 
+def _round(x, dtype):
+  """x (f32) rounded to `dtype` and back: one rounding of the unfused path's running sum."""
+  return x.astype(dtype).astype(jnp.float32)
+
+
+def _add_partial(own, run, part, *, ring: bool, out_dtype):
+  """The owner's sum, one partial (f32) at a time, in slot order -> (own, run): "fp32" adds it
+  to the own fp32 partial `own`; "bf16_ring" to the running bf16 sum `run` (the unfused path's
+  rounding per add; None before the first)."""
+  if ring:
+    return own, part if run is None else _round(run + part, out_dtype)
+  return own + part, run
+
+
+def _finish_sum(own, run, *, ring: bool, out_dtype):
+  """The sum after the last partial: "bf16_ring" adds the own partial last, rounded like every
+  other partial."""
+  if ring and run is not None:
+    return run + _round(own, out_dtype)
+  return own
+
+
 def _strided_loop(start, stride, total, body):
   """body(index, local_step) for index = start, start + stride, ... < total."""
   count = jnp.maximum(total - start + stride - 1, 0) // stride
@@ -46,7 +67,7 @@ def _strided_loop(start, stride, total, body):
   return count
 
 
-def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, own_gmem=None, *,
+def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
                 config: Config, num_devices: int, transport,
                 skip: frozenset[str] = frozenset()):
   """One rank's program.
@@ -54,24 +75,20 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, own_gmem=N
   Per rank (transport.bind selects it): x [m, k_shard], w [k_shard, n], out [m // D, n],
   recv [D - 1, m // D, n] (this rank's receive slots, partial_dtype; None when D == 1),
   stage [D - 1, m // D, n] (partial_dtype; only with comm CTAs: this rank's peer tiles, waiting
-  to be pushed), own [m // D, n] (only with config.owner_spread: the own chunk's own partial,
-  fp32 or partial_dtype: Config.own_partial_itemsize).
+  to be pushed).
 
   `skip` leaves stages out, for timing only (the output is then wrong): "comm" keeps every
   partial tile local (stored into this rank's own receive slots, or only staged) and drops
-  the pushes, signals and waits (same local traffic, no NVLink, no synchronisation with peers:
-  owner_spread keeps its local wait for the own partial); "reduce"
-  keeps the waits but not the loads and adds of the received partials; "gemm" skips the
-  mainloop (every epilogue handles a tile of zeros), so that the kernel's time is that of its
-  data movement (the comm CTAs' push rate, measured inside the kernel); "stage_wait" drops the
-  comm CTAs' per-tile wait for a staged tile (with "gemm": the cost of those waits);
-  "recv_store" drops a pulling comm CTA's store of what it pulled (its loads alone);
-  "owner_wait" drops the owner's wait for its partials (no CTA spins on the counters; with
-  owner_spread, for its own partial too);
+  the pushes, signals and waits (same local traffic, no NVLink, no synchronisation with
+  peers); "reduce" keeps the waits but not the loads and adds of the received partials;
+  "gemm" skips the mainloop (every epilogue handles a tile of zeros), so that the kernel's time
+  is that of its data movement (the comm CTAs' push rate, measured inside the kernel);
+  "stage_wait" drops the comm CTAs' per-tile wait for a staged tile (with "gemm": the cost of
+  those waits); "recv_store" drops a pulling comm CTA's store of what it pulled (its loads
+  alone); "owner_wait" drops the owner's wait for its partials (no CTA spins on the counters);
   "owner_add" keeps the owner's loads of the received partials but not its reads of them into
   registers and adds (which of the two its sum waits on); "comm_signal" (only with
-  "owner_wait") drops the comm CTAs' per-tile landed signals too, so
-  that they only move data.
+  "owner_wait") drops the comm CTAs' per-tile landed signals too, so that they only move data.
   """
   assert skip <= ABLATIONS, skip
   assert "comm_signal" not in skip or "owner_wait" in skip, skip
@@ -79,8 +96,8 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, own_gmem=N
   comm_on, reduce_on, gemm_on = ("comm" not in skip), ("reduce" not in skip), ("gemm" not in skip)
   d = num_devices
   rank = transport.rank()
-  x_gmem, w_gmem, out_gmem, recv_local, stage_local, own_local = transport.bind(
-      rank, x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem, own_gmem)
+  x_gmem, w_gmem, out_gmem, recv_local, stage_local = transport.bind(
+      rank, x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem)
   dtype, out_dtype = x_gmem.dtype, out_gmem.dtype
   part_dtype = jnp.dtype(config.partial_dtype) if d > 1 else out_dtype
   m, k_shard = x_gmem.shape
@@ -101,9 +118,6 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, own_gmem=N
   recv_stages = config.recv_stages
   num_comm = config.comm_ctas if d > 1 else 0
   assert (num_comm > 0) == (stage_local is not None), (num_comm, stage_gmem)
-  spread = config.owner_spread and d > 1
-  assert spread == (own_local is not None) and not (spread and num_comm), (spread, num_comm)
-  own_f32 = spread and config.own_partial_itemsize == 4
   in_transforms = _swizzled(tile_k, dtype)
   epi_transforms = _swizzled(epi_n, out_dtype)
   part_transforms = _swizzled(epi_n, part_dtype)
@@ -153,23 +167,19 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, own_gmem=N
       out_smem=plgpu.SMEM((_NUM_COMPUTE_WGS, num_out_slots, epi_m, epi_n), out_dtype,
                           transforms=epi_transforms),
   )
-  if d > 1 and not spread:  # (owner_spread sums in a scope of its own: spread.py)
+  if d > 1:
     scoped["part_smem"] = plgpu.SMEM((_NUM_COMPUTE_WGS, recv_stages, epi_m, epi_n), part_dtype,
                                      transforms=part_transforms)
     scoped["part_barrier"] = plgpu.Barrier(num_barriers=_NUM_COMPUTE_WGS * recv_stages)
   if d > 1 and part_dtype != out_dtype:
     scoped["send_smem"] = plgpu.SMEM((_NUM_COMPUTE_WGS, num_out_slots, epi_m, epi_n),
                                      part_dtype, transforms=part_transforms)
-  if own_f32:  # One fp32 sub-tile slot per warpgroup for the own partial on its way out.
-    scoped["own_smem"] = plgpu.SMEM((_NUM_COMPUTE_WGS, epi_m, epi_n), jnp.float32,
-                                    transforms=_swizzled(epi_n, jnp.float32))
 
   def compute_program(cta_index, num_compute):
     """The GEMM: CTA `cta_index` of `num_compute` walks linear tiles cta_index, +num_compute..."""
 
     @functools.partial(pl.run_scoped, collective_axes="wg", **scoped)
-    def _scope(pipeline_allocs, out_smem, part_smem=None, part_barrier=None, send_smem=None,
-               own_smem=None):
+    def _scope(pipeline_allocs, out_smem, part_smem=None, part_barrier=None, send_smem=None):
       wg_idx = lax.axis_index("wg")
       epi_tiles = [(mi, ni) for mi in range(tile_m // epi_m) for ni in range(tile_n // epi_n)]
       if send_smem is None:
@@ -246,34 +256,14 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, own_gmem=N
             plgpu.barrier_wait(barrier)
             if "owner_add" not in skip:
               part = slot[...].astype(jnp.float32)
-              own, run = spread_lib.add_partial(own, run, part, ring=ring, out_dtype=out_dtype)
+              own, run = _add_partial(own, run, part, ring=ring, out_dtype=out_dtype)
             if i + stages < len(loads):
               plgpu.commit_smem()  # Every thread has read `slot` before TMA overwrites it.
               issue(i + stages)
             i += 1
-          own = spread_lib.finish_sum(own, run, ring=ring, out_dtype=out_dtype)
+          own = _finish_sum(own, run, ring=ring, out_dtype=out_dtype)
           summed.append(own.astype(out_dtype))
         return summed
-
-      def store_own(acc, tile, slices):
-        """owner_spread: the own tile's own partial -> own_local (fp32 through own_smem, else
-        the partial dtype through the send slots), announced locally on the tile's arrival
-        counter once stored: the peers' D - 1 signals and this one make the D that
-        spread.spread_program waits for."""
-        if own_f32:
-          for mi, ni in epi_tiles:
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            own_smem[wg_idx] = acc[epi_slices(mi, ni)]
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(own_smem.at[wg_idx],
-                                    own_local.at[slices].at[epi_slices(mi, ni)])
-        else:
-          own = acc.astype(part_dtype)
-          store_tile([own[epi_slices(mi, ni)] for mi, ni in epi_tiles], send_smem,
-                     own_local.at[slices])
-        plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-        if "owner_wait" not in skip:
-          transport.signal_local(sems, rank, where.arrived(tile, wg_idx))
 
       def deferred(step, offset):
         """Whether this warpgroup's tile at `step` (for the peer at `offset`) is announced at
@@ -311,9 +301,6 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, own_gmem=N
             @pl.when(is_own)
             @jax.named_scope("own_epilogue")
             def _own():
-              if spread:  # The sum comes after the tile loop (spread.py).
-                store_own(acc_ref[...], tile, slices)
-                return
               if d > 1:
                 summed = reduce_tile(acc_ref[...], tile, slices)
               else:
@@ -378,16 +365,6 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, own_gmem=N
         @pl.when((wg_idx < _NUM_COMPUTE_WGS) & (count > 0) & deferred(last_step, last_offset))
         def _():
           announce(last_offset, last_tile)
-
-    if spread:
-      with jax.named_scope("owner_sum"):
-        spread_lib.spread_program(spread_lib.SpreadContext(
-            config=config, num_devices=d, rank=rank, transport=transport, sems=sems,
-            where=where, tiles=tiles, group=group, part_dtype=part_dtype, out_dtype=out_dtype,
-            tile_slices=tile_slices, transforms=_swizzled, recv_local=recv_local,
-            own_local=own_local, out_local=out_gmem, slot_order=slot_order, peers=comm_on,
-            wait="owner_wait" not in skip, partials=reduce_on, add="owner_add" not in skip),
-            cta_index, num_compute)
 
   if num_comm and comm_on:
     ctx = comm_lib.CommContext(

@@ -97,10 +97,6 @@ class Config:
     owner_sum: how the owner adds the partials (OWNER_SUMS): "fp32" (its fp32 accumulator,
       slot order, one rounding) or "bf16_ring" (bf16 partials only: the unfused path's
       arithmetic, bit for bit wherever the partials equal cuBLAS's). `numerics` names the pair.
-    owner_spread: the own chunk's sum after the tile loop, spread over every compute
-      warpgroup (spread.py; direct push only), instead of in the own tiles' epilogues, which
-      at small M hold a fraction of a wave (docs/design.md section 3). Off by default: same
-      bits, but slower for one D = 8 rank alone (BUILD_NOTES 2026-12-01).
   """
   tile_m: int = 128
   tile_n: int = 128
@@ -119,7 +115,6 @@ class Config:
   partial_dtype: str = "bfloat16"
   owner_sum: str = "fp32"
   comm_mode: str = "push"
-  owner_spread: bool = False
 
   def __post_init__(self):
     tile_m, tile_n, tile_k = self.tile_m, self.tile_n, self.tile_k
@@ -159,8 +154,6 @@ class Config:
     if self.owner_sum == "bf16_ring" and self.partial_dtype != "bfloat16":
       raise ValueError(f"owner_sum='bf16_ring' adds bf16 partials; partial_dtype="
                        f"{self.partial_dtype!r} must be 'bfloat16'")
-    if not isinstance(self.owner_spread, bool):
-      raise ValueError(f"owner_spread={self.owner_spread!r} must be a bool")
     object.__setattr__(self, "grid_minor_dim", MatmulDimension(self.grid_minor_dim))
     object.__setattr__(self, "wg_dimension", MatmulDimension(self.wg_dimension))
 
@@ -219,22 +212,8 @@ class Config:
     if num_devices > 1:
       if self.partial_itemsize != itemsize:  # Separate SMEM slots for the partials sent.
         total += 2 * self.num_out_slots * epi * self.partial_itemsize
-      if not self.owner_spread:
-        total += 2 * self.recv_stages * epi * self.partial_itemsize
-      else:  # The own partial's fp32 slot; the sum has a scope of its own (spread.py).
-        own_slot = 2 * epi * 4 if self.own_partial_itemsize == 4 else 0
-        loads = num_devices - 1 + (0 if own_slot else 1)
-        spread = 2 * epi * (itemsize + loads * self.partial_itemsize) + own_slot
-        total = max(total + own_slot, spread)
+      total += 2 * self.recv_stages * epi * self.partial_itemsize
     return total + SMEM_SLACK_BYTES
-
-  @property
-  def own_partial_itemsize(self) -> int:
-    """Bytes per element of the own partial `owner_spread` stores (0 without): 4 for the fp32
-    sum (an SMEM slot of its own), else the partial dtype's (the ring rounds it to that)."""
-    if not self.owner_spread:
-      return 0
-    return 4 if self.owner_sum == "fp32" else self.partial_itemsize
 
   def comm_smem_bytes(self) -> int:
     """Shared memory of a comm CTA (0 without comm CTAs)."""
@@ -269,9 +248,6 @@ class Config:
           f"(tile_n={self.tile_n}, wg_dimension={self.wg_dimension.name})")
     if k_shard % self.tile_k:
       raise NotImplementedError(f"{k_shard=} is not a multiple of tile_k={self.tile_k}")
-    if self.owner_spread and num_devices > 1 and self.comm_ctas:
-      raise NotImplementedError(
-          f"owner_spread runs only with the direct push, got comm_ctas={self.comm_ctas}")
     if not wg_split_aligned(self.tile_n, self.wg_dimension):
       raise NotImplementedError(
           f"tile_n={self.tile_n} with the warpgroups side by side along N must be a multiple "
@@ -321,7 +297,6 @@ def with_numerics(cfg: Config, mode: str, num_devices: int) -> Config:
   if mode not in NUMERICS_MODES:
     raise ValueError(f"numerics mode {mode!r} must be one of {tuple(NUMERICS_MODES)}")
   partial_dtype, owner_sum = NUMERICS_MODES[mode]
-  # Both fields before fitting: the SMEM a config needs depends on the pair (owner_spread).
   return fit_smem(dataclasses.replace(cfg, partial_dtype=partial_dtype, owner_sum=owner_sum,
                                       epi_tile_n=_epi_tile_n(cfg.tile_n, partial_dtype)),
                   num_devices)

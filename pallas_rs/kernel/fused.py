@@ -197,8 +197,6 @@ def _build(transport, *, out_type, config: Config, num_devices: int, name: str,
                            transport=transport, skip=skip)
   if num_devices == 1:
     body = functools.partial(_no_recv, body)
-  elif config.owner_spread:
-    body = functools.partial(_with_own, body)
   return plgpu.kernel(
       body,
       out_type=out_type,
@@ -217,20 +215,12 @@ def _no_recv(body, x, w, out):
   body(x, w, out, None)
 
 
-def _with_own(body, x, w, out, recv, own):
-  body(x, w, out, recv, None, own)
-
-
 def _exchange_buffers(lead: tuple[int, ...], num_devices: int, chunk: int, n: int,
                       config: Config) -> tuple[jax.ShapeDtypeStruct, ...]:
   """The receive slots [*lead, D - 1, chunk, n] and, with comm CTAs, the staging buffer of the
   same shape, in the config's partial dtype: extra kernel outputs (uninitialised), because
-  peers can only address kernel arguments (docs/design.md section 7); with owner_spread, the
-  own partial [*lead, chunk, n] (Config.own_partial_itemsize)."""
+  peers can only address kernel arguments (docs/design.md section 7)."""
   buf = jax.ShapeDtypeStruct((*lead, num_devices - 1, chunk, n), jnp.dtype(config.partial_dtype))
-  if config.owner_spread:
-    own = jnp.float32 if config.own_partial_itemsize == 4 else config.partial_dtype
-    return buf, jax.ShapeDtypeStruct((*lead, chunk, n), jnp.dtype(own))
   return (buf, buf) if config.comm_ctas else (buf,)
 
 
@@ -301,8 +291,7 @@ def rank_alone(x, w, *, num_devices: int, rank: int = 0, config: Config | None =
   """Timing only, on one GPU: rank `rank`'s program of the D-device kernel on all of this GPU's
   CTAs, outside shard_map and with no peers: x [m, k_shard], w [k_shard, n] -> [m // D, n]
   (not the reduce-scatter). `ablate` must contain "comm" (every partial tile is stored into this
-  rank's own buffers; nothing is signalled or awaited but owner_spread's local flag); with
-  "reduce" too it is the GEMM core in
+  rank's own buffers; nothing is signalled or awaited); with "reduce" too it is the GEMM core in
   the kernel's chunked tile walk. So it measures a GPU of a D-device run without NVLink, the
   waits and XLA's barrier before a collective kernel: with the chunk, tile and pair structure
   of D devices, which `local_matmul` (D = 1) lacks."""

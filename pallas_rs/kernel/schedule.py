@@ -25,10 +25,7 @@ step in order, copies each into the owner's receive slot and announces landed ti
 source's staging into its own slot and announces them locally, in the same batches; a done
 handshake keeps every rank alive until its peers have finished reading its staging buffer.
 
-With `owner_spread` (direct push) the own tiles store their own partial and add a local signal
-to `(t, wg)`; after the tile loop each compute warpgroup waits for D on its share of the own
-sub-tiles and sums them (`spread_units`). `SemLayout` names the semaphores; `simulate` checks
-every variant.
+`SemLayout` names the semaphores; `simulate` checks every variant.
 
 The functions below accept Python ints and traced int32 scalars alike.
 """
@@ -152,8 +149,6 @@ class Event:
     "signal" (one increment of `dst`'s semaphore `(tile, wg)` per compute warpgroup),
     "wait" (own chunk: wait until semaphore `(tile, wg)` reaches `target`),
     "reduce" (read slots 0..D-2 of `tile` and write the output tile),
-    "store_own" / "spread_sum" (owner_spread: the own partial stored locally, "slot" -1 /
-      read with slots 0..D-2, the output written),
     "stage" (with comm CTAs: TMA store of a remote tile into the rank's own staging slot
       `slot`), "signal_staged" (one increment of the rank's staged semaphore
       `(slot, tile, wg)` per compute warpgroup), "wait_staged" (a comm CTA waits for it).
@@ -175,29 +170,12 @@ def cta_tiles(cta: int, num_ctas: int, num_devices: int, tiles_per_chunk: int) -
   return list(range(cta, num_devices * tiles_per_chunk, num_ctas))
 
 
-def spread_units(rank: int, cta: int, *, num_ctas: int, tiles_per_chunk: int,
-                 sub_tiles: int, group: int = 1) -> list[tuple[int, int]]:
-  """owner_spread: the (tile, warpgroup part) of each own sub-tile CTA `cta` sums, in order
-  (spread.py: unit u of tiles x parts x sub_tiles to warpgroup u % (2 num_ctas); parts: both
-  warpgroups' (group 1), or with pairs the own one's, rank % 2)."""
-  parts = NUM_COMPUTE_WGS if group == 1 else 1
-  units = tiles_per_chunk * parts * sub_tiles
-  out = []
-  for wg in range(NUM_COMPUTE_WGS):
-    for u in range(cta * NUM_COMPUTE_WGS + wg, units, num_ctas * NUM_COMPUTE_WGS):
-      tile, rest = divmod(u, parts * sub_tiles)
-      out.append((tile, rest // sub_tiles if group == 1 else rank % 2))
-  return out
-
-
 def cta_program(rank: int, cta: int, *, num_ctas: int, num_devices: int,
                 tiles_per_chunk: int, eager_signal_steps: int = 0,
-                comm_ctas: int = 0, pull: bool = False, group: int = 1,
-                spread_subs: int = 0) -> list[Event]:
+                comm_ctas: int = 0, pull: bool = False, group: int = 1) -> list[Event]:
   """The ordered events of CTA `cta` of `num_ctas` (a rank's whole grid), mirroring body.py.
   Events name the CTA by its grid index; a compute CTA picks its tiles by its index among the
-  compute CTAs. `group`: chunks per CTA tile (`chunk_group`; 2 only with the direct push).
-  `spread_subs` > 0: owner_spread with that many epilogue sub-tiles per warpgroup tile."""
+  compute CTAs. `group`: chunks per CTA tile (`chunk_group`; 2 only with the direct push)."""
   d = num_devices
   staged = bool(comm_ctas) and d > 1
   if staged and cta < comm_ctas:
@@ -231,10 +209,6 @@ def cta_program(rank: int, cta: int, *, num_ctas: int, num_devices: int,
     for wg in parts:
       dst = wg_dst(rank, step, max(wg, 0), d, group)
       slot = (dst - rank) % d - 1
-      if slot < 0 and spread_subs and d > 1:  # The own partial, stored and announced locally.
-        events.append(Event("store_own", rank, cta, step, tile, rank, wg=wg))
-        events.append(Event("signal", rank, cta, step, tile, rank, -1, wg=wg))
-        continue
       if slot < 0:  # The own chunk.
         if staged:  # One wait per slot: tile // n + 1 tiles delivered by comm CTA tile % n.
           events += [Event("wait_delivered", rank, cta, step, tile, rank, j,
@@ -249,11 +223,6 @@ def cta_program(rank: int, cta: int, *, num_ctas: int, num_devices: int,
       if not deferred(e):
         events.append(announce(e))
   events += [announce(e) for e in prev if deferred(e)]
-  if spread_subs and d > 1:
-    for tile, wg in spread_units(rank, cta, num_ctas=num_ctas, tiles_per_chunk=tiles_per_chunk,
-                                 sub_tiles=spread_subs, group=group):
-      events.append(Event("wait", rank, cta, last, tile, rank, target=d, wg=wg))
-      events.append(Event("spread_sum", rank, cta, last, tile, rank, wg=wg))
   return events
 
 
@@ -341,14 +310,9 @@ def comm_reuse_wait(sets: int) -> int:
   return sets - 1
 
 
-def rank_programs(rank: int, *, num_ctas: int, **program) -> list[list[Event]]:
-  """Every CTA's `cta_program` (its keyword arguments) of rank `rank`."""
-  return [cta_program(rank, c, num_ctas=num_ctas, **program) for c in range(num_ctas)]
-
-
 def simulate(*, num_ctas: int, num_devices: int, tiles_per_chunk: int,
              eager_signal_steps: int = 0, comm_ctas: int = 0,
-             pull: bool = False, group: int = 1, spread_subs: int = 0) -> dict[str, Any]:
+             pull: bool = False, group: int = 1) -> dict[str, Any]:
   """Runs every CTA of every rank as a sequential process, round-robin.
 
   Models the co-resident persistent grid the kernel requires (fused.check_supported keeps
@@ -361,11 +325,11 @@ def simulate(*, num_ctas: int, num_devices: int, tiles_per_chunk: int,
   if comm_ctas and d > 1 and comm_ctas >= num_ctas:
     raise ValueError(f"{comm_ctas=} leaves no compute CTA among {num_ctas=}")
   done_target = pull_done_target(d, comm_ctas)
-  programs = {(r, c): prog for r in range(d)
-              for c, prog in enumerate(rank_programs(
-                  r, num_ctas=num_ctas, num_devices=d, tiles_per_chunk=tiles_per_chunk,
-                  eager_signal_steps=eager_signal_steps, comm_ctas=comm_ctas, pull=pull,
-                  group=group, spread_subs=spread_subs))}
+  programs = {(r, c): cta_program(r, c, num_ctas=num_ctas, num_devices=d,
+                                  tiles_per_chunk=tiles_per_chunk,
+                                  eager_signal_steps=eager_signal_steps, comm_ctas=comm_ctas,
+                                  pull=pull, group=group)
+              for r in range(d) for c in range(num_ctas)}
   pcs = {key: 0 for key in programs}
   sems: dict[tuple, int] = {}
   landed: set[tuple[int, int, int, int]] = set()  # (dst, slot, tile, wg) stores that completed
@@ -402,16 +366,13 @@ def simulate(*, num_ctas: int, num_devices: int, tiles_per_chunk: int,
           if any(sems.get(("staged", ev.rank, ev.slot, ev.tile, wg), 0) < ev.target
                  for wg in wgs):
             break
-        elif ev.kind in ("reduce", "spread_sum"):
-          # spread_sum reads the own partial (slot -1) too.
-          for slot in range(-1 if ev.kind == "spread_sum" else 0, d - 1):
+        elif ev.kind == "reduce":
+          for slot in range(d - 1):
             if any((ev.rank, slot, ev.tile, wg) not in landed for wg in wgs_of(ev)):
               raise RuntimeError(f"rank {ev.rank} reads slot {slot} of tile {ev.tile} "
                                  "before it was written")
         elif ev.kind == "stage":
           staged.add((ev.rank, ev.slot, ev.tile))
-        elif ev.kind == "store_own":
-          landed.update((ev.rank, -1, ev.tile, wg) for wg in wgs_of(ev))
         elif ev.kind == "store" and ev.slot >= 0:
           if comm_ctas and d > 1 and (ev.rank, ev.slot, ev.tile) not in staged:
             raise RuntimeError(f"rank {ev.rank} pushes tile {ev.tile} of slot {ev.slot} "

@@ -86,10 +86,9 @@ class LoopbackTransport:
   """D virtual ranks on one GPU: rank r is the CTAs with grid index r along axis "rank".
 
   Kernel arguments are stacked over ranks: x [D, m, k_shard], w [D, k_shard, n],
-  out [D, m // D, n], recv [D, D - 1, m // D, n], stage [D, D - 1, m // D, n],
-  own [D, m // D, n]; semaphores are indexed by rank. All `num_sms` CTAs must be resident at
-  once (one per SM), or a rank could wait on a rank that never gets scheduled: the grid is
-  exactly `num_sms // D` CTAs per rank.
+  out [D, m // D, n], recv [D, D - 1, m // D, n], stage [D, D - 1, m // D, n]; semaphores are
+  indexed by rank. All `num_sms` CTAs must be resident at once (one per SM), or a rank could
+  wait on a rank that never gets scheduled: the grid is exactly `num_sms // D` CTAs per rank.
   """
   num_devices: int
 
@@ -130,9 +129,9 @@ class LoopbackTransport:
 class AloneTransport(NVLinkTransport):
   """Timing only: rank `rank_index` of D, alone on one GPU with all of its CTAs, as it would run
   on a node, with no peers. Only the kernel's "comm" ablation runs on it (every partial stays
-  in this rank's own buffers; no remote reference, signal or wait: only owner_spread's local
-  flag), so what it times is one GPU's share of a D-device call without NVLink, its waits and
-  XLA's barrier (`fused.rank_alone`). Kernel arguments as NVLinkTransport's."""
+  in this rank's own buffers; no signal, wait or remote reference), so what it times is one
+  GPU's share of a D-device call without NVLink, its waits and XLA's barrier
+  (`fused.rank_alone`). Kernel arguments as NVLinkTransport's."""
   rank_index: int = 0
 
   def rank(self):
@@ -145,6 +144,4 @@ class AloneTransport(NVLinkTransport):
     self._device_id(rank, offset)
 
   def wait(self, sems, rank, idx, value, *, local: bool = False):
-    if not local:
-      raise AssertionError("AloneTransport has no peers: the kernel must run with ablate 'comm'")
-    super().wait(sems, rank, idx, value, local=True)
+    raise AssertionError("AloneTransport has no peers: the kernel must run with ablate 'comm'")

@@ -110,10 +110,6 @@ def config_from_json(obj: Mapping[str, Any]):
       if not isinstance(value, str):
         raise ValueError(f"config field {name}={value!r} must be a string")
       continue
-    if name == "owner_spread":
-      if not isinstance(value, bool):
-        raise ValueError(f"config field {name}={value!r} must be a bool")
-      continue
     if not isinstance(value, int) or isinstance(value, bool):
       raise ValueError(f"config field {name}={value!r} must be an int")
   for name in _DIMENSION_FIELDS:
