@@ -4,6 +4,7 @@ Skipped elsewhere (no such machine was lent while this was written: see BUILD_NO
 rule is the seed's: max relative error vs a float64 reference <= 1.1x the unfused path's
 (jnp.dot + psum_scatter) on the same inputs, and chunk i must land on device i.
 """
+import dataclasses
 import functools
 
 import jax
@@ -13,6 +14,7 @@ import pytest
 import helpers
 import pallas_rs
 from pallas_rs import reference
+from pallas_rs.kernel import config as config_lib
 from pallas_rs.bench import shapes
 from pallas_rs.bench import testing
 
@@ -55,3 +57,32 @@ def test_back_to_back_calls_fresh_inputs():
   d = min(len(helpers.hopper_devices()), 8)
   for i in range(20):
     _check(_case(d, 1024, 1024, 2048), seed=1000 + i)
+
+
+@pytest.mark.parametrize("m,n,k", [(512, 2048, 4096), (2048, 8192, 8192)])
+def test_tma_add_bit_identical_over_nvlink(m, n, k):
+  # D = 2: the peer's partial lands in the owner's output over NVLink and the owner TMA-adds
+  # its own onto it once it is announced: the owner's epilogue's bits ("unfused_order").
+  if len(helpers.hopper_devices()) < 2:
+    pytest.skip("needs 2 Hopper GPUs")
+  case = _case(2, m, n, k)
+  mesh = helpers.make_mesh(2, devices=helpers.hopper_devices())
+  base = config_lib.with_numerics(
+      config_lib.default_config(m=m, n=n, k_shard=k // 2, num_devices=2), "unfused_order", 2)
+  added = config_lib.fit_smem(dataclasses.replace(base, tma_add=True), 2)
+  op = lambda cfg: helpers.shard_mapped(functools.partial(
+      pallas_rs.matmul_reduce_scatter, axis_name=helpers.AXIS, implementation="fused",
+      config=cfg), mesh)
+  for call in range(3):
+    inputs = testing.make_inputs(case, 7000 + m + call)
+    x, w = testing.put_operands(inputs, mesh, helpers.AXIS)
+    want = helpers.per_device_shards(op(base)(x, w), mesh)
+    got = helpers.per_device_shards(op(added)(x, w), mesh)
+    mismatch = np.flatnonzero(want.view(np.uint16) != got.view(np.uint16))
+    assert mismatch.size == 0, (call, mismatch.size, mismatch[:8])
+    unfused = helpers.per_device_shards(helpers.shard_mapped(functools.partial(
+        pallas_rs.matmul_reduce_scatter, axis_name=helpers.AXIS, implementation="xla"),
+        mesh)(x, w), mesh)
+    ref = helpers.reference_output(inputs)
+    assert reference.max_rel_error(got.astype(np.float64), ref) <= 1.1 * (
+        reference.max_rel_error(unfused.astype(np.float64), ref))

@@ -22,6 +22,7 @@ from pallas_rs.bench import testing
 pytestmark = pytest.mark.gpu
 
 PAIRS = shapes.SEED_NK_PAIRS
+_WG_M = config_lib.MatmulDimension.M
 
 
 _loopback = jax.jit(fused.loopback_matmul_reduce_scatter)
@@ -168,3 +169,34 @@ def test_pairs_of_64_row_chunks(d, n, k_shard, numerics):
     out = f(xs, ws)
     assert reference.max_rel_error(out, ref) <= 1.1 * reference.max_rel_error(
         _unfused_ring(xs, ws), ref), call
+
+
+# tma_add (D = 2, the ring's numerics): the peer's partial lands in the owner's output and the
+# owner TMA-adds its own, rounded to bf16, onto it: the owner's epilogue's arithmetic, so every
+# output bit must agree with it (an add issued before the peer's partial landed, or a partial
+# overwriting an added tile, shows up as a difference). Pairs (M = 128) and both warpgroup
+# splits included; fresh inputs per call.
+@pytest.mark.parametrize("m,n,k_shard,tiles", [
+    (512, 1024, 512, None), (2048, 2048, 1024, None), (128, 1024, 512, (64, 256, _WG_M)),
+    (1024, 1536, 512, (64, 192, _WG_M))])
+def test_tma_add_bit_identical_to_the_owner_epilogue(m, n, k_shard, tiles):
+  d = 2
+  base = config_lib.default_config(m=m, n=n, k_shard=k_shard, num_devices=d)
+  if tiles:
+    base = dataclasses.replace(base, tile_m=tiles[0], tile_n=tiles[1], wg_dimension=tiles[2])
+  base = config_lib.with_numerics(base, "unfused_order", d)
+  added = config_lib.fit_smem(dataclasses.replace(base, tma_add=True), d)
+  for cfg in (base, added):  # Both must run: a rejected config is a failure here, not a skip.
+    fused.check_supported(m=m, k_shard=k_shard, n=n, dtype=jnp.bfloat16, num_devices=d,
+                          config=cfg, loopback=True)
+  assert (m == 128) == (added.chunk_group(m, d) == 2)  # pairs at 64-row chunks
+  owner = jax.jit(functools.partial(fused.loopback_matmul_reduce_scatter, config=base))
+  add_fn = jax.jit(functools.partial(fused.loopback_matmul_reduce_scatter, config=added))
+  for call in range(3):
+    xs, ws = testing.stacked_inputs(5000 + m + call, d, m, k_shard, n)
+    want, got = np.asarray(owner(xs, ws)), np.asarray(add_fn(xs, ws))
+    mismatch = np.flatnonzero(want.view(np.uint16) != got.view(np.uint16))
+    assert mismatch.size == 0, (call, mismatch.size, mismatch[:8])
+    ref = testing.stacked_reference(xs, ws)
+    assert reference.max_rel_error(got, ref) <= 1.1 * reference.max_rel_error(
+        _unfused_ring(xs, ws), ref)

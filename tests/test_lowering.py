@@ -3,6 +3,7 @@
 Lowering runs Mosaic GPU's compiler up to its own checks (shared-memory budget, tiling, TMA
 boxes, layouts), so a config that cannot compile fails here, without a GPU.
 """
+import dataclasses
 import functools
 
 import jax
@@ -83,6 +84,50 @@ def test_rank_alone_lowers(d, m, n, k_shard, config):
     exported = jax.export.export(jax.jit(f), platforms=["cuda"])(x, w)
     assert exported.out_avals[0].shape == (m // d, n)
     assert "mosaic_gpu" in exported.mlir_module()
+
+
+# tma_add (D = 2, the ring's numerics: the owner TMA-adds its own partial onto the peer's, which
+# lands in its output): under shard_map, in loopback with pairs (M = 128), and one rank alone.
+@pytest.mark.parametrize("m,n,k_shard,tiles", [
+    (512, 8192, 4096, None), (128, 1024, 512, (64, 256, config_lib.MatmulDimension.M))])
+def test_tma_add_lowers(m, n, k_shard, tiles):
+  cfg = config_lib.default_config(m=m, n=n, k_shard=k_shard, num_devices=2)
+  if tiles:
+    cfg = dataclasses.replace(cfg, tile_m=tiles[0], tile_n=tiles[1], wg_dimension=tiles[2])
+  cfg = config_lib.fit_smem(dataclasses.replace(cfg, tma_add=True), 2)
+  assert cfg.numerics == "unfused_order" and (cfg.chunk_group(m, 2) == 2) == (m == 128)
+  # No receive stages in SMEM, no receive buffer.
+  assert cfg.smem_bytes(2) < dataclasses.replace(cfg, tma_add=False).smem_bytes(2)
+  xs, ws = (jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+            for shape in ((2, m, k_shard), (2, k_shard, n)))
+  text = jax.export.export(jax.jit(functools.partial(
+      fused.loopback_matmul_reduce_scatter, config=cfg)), platforms=["cuda"])(
+          xs, ws).mlir_module()
+  assert "cp.reduce" in text  # the TMA add made it into the kernel
+  if tiles:
+    return
+  _export_shard_map(m, n, k_shard * 2, 2, config=cfg)
+  for ablate in (("comm",), ("comm", "reduce")):
+    f = functools.partial(fused.rank_alone, num_devices=2, config=cfg, ablate=ablate)
+    jax.export.export(jax.jit(f), platforms=["cuda"])(
+        jax.ShapeDtypeStruct((m, k_shard), jnp.bfloat16),
+        jax.ShapeDtypeStruct((k_shard, n), jnp.bfloat16))
+
+
+def test_tma_add_refusals():
+  with pytest.raises(ValueError, match="owner_sum='fp32' must be 'bf16_ring'"):
+    config_lib.Config(tma_add=True)
+  ring = dict(owner_sum="bf16_ring", tma_add=True)
+  with pytest.raises(NotImplementedError, match="tma_add runs only at num_devices = 2"):
+    config_lib.Config(**ring).check_shape(m=1024, n=1024, k_shard=512, num_devices=4)
+  with pytest.raises(NotImplementedError, match="comm_ctas=2"):
+    config_lib.Config(**ring, comm_ctas=2).check_shape(m=1024, n=1024, k_shard=512,
+                                                       num_devices=2)
+  # Numerics transforms keep it only where the owner's sum stays the ring's.
+  cfg = config_lib.Config(**ring)
+  assert config_lib.with_numerics(cfg, "unfused_order", 2).tma_add
+  assert not config_lib.with_numerics(cfg, "fp32_partials", 2).tma_add
+  assert not config_lib.with_partial_dtype(cfg, "bfloat16", 2).tma_add
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -40,6 +40,8 @@ def test_variant_names(overlap_probe):
   assert overlap_probe.variant_config(base, "table") == base
   r = overlap_probe.variant_config(base, "r6_s2_e64")
   assert (r.recv_stages, r.max_concurrent_steps, r.epi_tile_n) == (6, 2, 64) and r.fits_smem(2)
+  tadd = overlap_probe.variant_config(base, "tadd")
+  assert tadd.tma_add and tadd.numerics == "unfused_order" and tadd.fits_smem(2)
   with pytest.raises(ValueError, match="unknown variant token"):
     overlap_probe.variant_config(base, "x9")
 

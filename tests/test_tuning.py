@@ -569,8 +569,9 @@ def test_comm_variants_keep_the_tiles_and_vary_only_the_comm_path():
   base = config_lib.with_numerics(
       config_lib.Config(tile_m=128, tile_n=128, grid_tile_width=4), "unfused_order", 2)
   got = candidates.comm_variants(base, m=8192, n=8192, k_shard=4096, num_devices=2)
-  assert [(c.comm_mode, c.comm_ctas) for c in got] == [
-      ("push", 0), ("pull", 2), ("pull", 4), ("pull", 8), ("pull", 16), ("push", 8)]
+  assert [(c.comm_mode, c.comm_ctas, c.tma_add) for c in got] == [
+      ("push", 0, False), ("push", 0, True), ("pull", 2, False), ("pull", 4, False),
+      ("pull", 8, False), ("pull", 16, False), ("push", 8, False)]
   for c in got:
     assert (c.tile_m, c.tile_n, c.grid_tile_width, c.numerics) == (128, 128, 4, "unfused_order")
     assert c.fits_smem(2)
@@ -580,7 +581,14 @@ def test_comm_variants_keep_the_tiles_and_vary_only_the_comm_path():
   # The incumbent first, when it is one of the variants too.
   p4 = dataclasses.replace(base, comm_mode="pull", comm_ctas=4)
   got = candidates.comm_variants(p4, m=8192, n=8192, k_shard=4096, num_devices=2)
-  assert (got[0].comm_mode, got[0].comm_ctas) == ("pull", 4) and len(got) == 6
+  assert (got[0].comm_mode, got[0].comm_ctas) == ("pull", 4) and len(got) == 7
+  # The owner's TMA add only in the ring's numerics and only at D = 2.
+  f32 = config_lib.with_numerics(base, "fp32_partials", 2)
+  assert not any(c.tma_add for c in candidates.comm_variants(
+      f32, m=8192, n=8192, k_shard=4096, num_devices=2))
+  assert not any(c.tma_add for c in candidates.comm_variants(
+      config_lib.with_numerics(base, "unfused_order", 4), m=8192, n=8192, k_shard=2048,
+      num_devices=4))
   # A shape the tiles cannot take has no variants.
   assert candidates.comm_variants(base, m=8192, n=8192 + 128, k_shard=4096,
                                   num_devices=2) == []
@@ -625,6 +633,17 @@ def test_default_tiles_follow_the_wave_model():
   # n that no 256- or 192-column tile divides still gets a valid config.
   c = cfg(512, 320, 2)
   c.check_shape(m=512, n=320, k_shard=1024, num_devices=2)
+
+
+def test_config_json_round_trip_of_tma_add():
+  cfg = config_lib.with_numerics(config_lib.Config(tma_add=False), "unfused_order", 2)
+  cfg = dataclasses.replace(cfg, tma_add=True)
+  obj = json.loads(json.dumps(tuning.config_to_json(cfg)))
+  assert obj["tma_add"] is True and tuning.config_from_json(obj) == cfg
+  with pytest.raises(ValueError, match="tma_add"):
+    tuning.config_from_json(dict(obj, tma_add=1))
+  del obj["tma_add"]  # Entries written before the field existed read as without it.
+  assert not tuning.config_from_json(obj).tma_add
 
 
 def test_config_json_round_trip_names_the_dimensions():

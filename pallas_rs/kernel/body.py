@@ -73,14 +73,16 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
   """One rank's program.
 
   Per rank (transport.bind selects it): x [m, k_shard], w [k_shard, n], out [m // D, n],
-  recv [D - 1, m // D, n] (this rank's receive slots, partial_dtype; None when D == 1),
+  recv [D - 1, m // D, n] (this rank's receive slots, partial_dtype; None when D == 1 or with
+  tma_add, where the peer's partial lands in out),
   stage [D - 1, m // D, n] (partial_dtype; only with comm CTAs: this rank's peer tiles, waiting
   to be pushed).
 
   `skip` leaves stages out, for timing only (the output is then wrong): "comm" keeps every
-  partial tile local (stored into this rank's own receive slots, or only staged) and drops
-  the pushes, signals and waits (same local traffic, no NVLink, no synchronisation with
-  peers); "reduce" keeps the waits but not the loads and adds of the received partials;
+  partial tile local (stored into this rank's own receive slots, or output with tma_add, or
+  only staged) and drops the pushes, signals and waits (same local traffic, no NVLink, no
+  synchronisation with peers); "reduce" keeps the waits but not the loads and adds of the
+  received partials (tma_add: the own partial is stored, not added);
   "gemm" skips the mainloop (every epilogue handles a tile of zeros), so that the kernel's time
   is that of its data movement (the comm CTAs' push rate, measured inside the kernel);
   "stage_wait" drops the comm CTAs' per-tile wait for a staged tile (with "gemm": the cost of
@@ -96,6 +98,7 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
   comm_on, reduce_on, gemm_on = ("comm" not in skip), ("reduce" not in skip), ("gemm" not in skip)
   d = num_devices
   rank = transport.rank()
+  out_all = out_gmem  # Every rank's outputs (tma_add: the peer's is where a partial goes).
   x_gmem, w_gmem, out_gmem, recv_local, stage_local = transport.bind(
       rank, x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem)
   dtype, out_dtype = x_gmem.dtype, out_gmem.dtype
@@ -118,6 +121,9 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
   recv_stages = config.recv_stages
   num_comm = config.comm_ctas if d > 1 else 0
   assert (num_comm > 0) == (stage_local is not None), (num_comm, stage_gmem)
+  # The owner TMA-adds its own partial onto the peer's, which lands in its output (D = 2).
+  tma_add = config.tma_add and d > 1
+  assert not tma_add or (d == 2 and not num_comm and recv_gmem is None), (d, num_comm)
   in_transforms = _swizzled(tile_k, dtype)
   epi_transforms = _swizzled(epi_n, out_dtype)
   part_transforms = _swizzled(epi_n, part_dtype)
@@ -167,7 +173,7 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
       out_smem=plgpu.SMEM((_NUM_COMPUTE_WGS, num_out_slots, epi_m, epi_n), out_dtype,
                           transforms=epi_transforms),
   )
-  if d > 1:
+  if d > 1 and not tma_add:
     scoped["part_smem"] = plgpu.SMEM((_NUM_COMPUTE_WGS, recv_stages, epi_m, epi_n), part_dtype,
                                      transforms=part_transforms)
     scoped["part_barrier"] = plgpu.Barrier(num_barriers=_NUM_COMPUTE_WGS * recv_stages)
@@ -202,20 +208,20 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
             idx = where.staged(o - 1, tile, wg_idx) if pull else where.arrived(tile, wg_idx)
             transport.signal(sems, rank, o, idx)
 
-      def store_tile(subs, smem, dst_ref):
+      def store_tile(subs, smem, dst_ref, add=False):
         """Epilogue sub-tiles `subs` (in epi_tiles order) -> dst_ref [tile_m, tile_n] through
-        the double-buffered SMEM slots of `smem`."""
+        the double-buffered SMEM slots of `smem`; `add`: TMA-added onto what dst_ref holds."""
         for i, (mi, ni) in enumerate(epi_tiles):
           slot = i % num_out_slots
           plgpu.wait_smem_to_gmem(num_out_slots - 1, wait_read_only=True)
           smem[wg_idx, slot] = subs[i]
           plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(smem.at[wg_idx, slot], dst_ref.at[epi_slices(mi, ni)])
+          plgpu.copy_smem_to_gmem(smem.at[wg_idx, slot], dst_ref.at[epi_slices(mi, ni)],
+                                  reduction_op="add" if add else None)
 
-      def reduce_tile(acc, tile, slices):
-        """The own tile's sum of all D partials -> out_dtype sub-tiles (config.owner_sum):
-        "fp32": acc (f32) + the received partials in slot order, rounded once;
-        "bf16_ring": the unfused path's arithmetic, schedule.ring_slots."""
+      def owner_wait(tile):
+        """Until the own tile `tile`'s D - 1 partials have landed (receive slots; tma_add: the
+        output)."""
         if comm_on and "owner_wait" not in skip:
           with jax.named_scope("owner_wait"):
             if num_comm:  # Each slot's tiles arrive in the order its comm CTA moves them.
@@ -224,6 +230,12 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
                 transport.wait(sems, rank, where.delivered(slot, c, wg_idx), need, local=pull)
             else:
               transport.wait(sems, rank, where.arrived(tile, wg_idx), d - 1)
+
+      def reduce_tile(acc, tile, slices):
+        """The own tile's sum of all D partials -> out_dtype sub-tiles (config.owner_sum):
+        "fp32": acc (f32) + the received partials in slot order, rounded once;
+        "bf16_ring": the unfused path's arithmetic, schedule.ring_slots."""
+        owner_wait(tile)
         loads = [(mi, ni, j) for mi, ni in epi_tiles for j in slot_order]
         if not reduce_on:
           loads = []
@@ -301,12 +313,14 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
             @pl.when(is_own)
             @jax.named_scope("own_epilogue")
             def _own():
-              if d > 1:
+              if d > 1 and not tma_add:
                 summed = reduce_tile(acc_ref[...], tile, slices)
               else:
+                if tma_add:  # The ring's one rounded add, done by TMA: bf16(peer + bf16(own)).
+                  owner_wait(tile)
                 acc = acc_ref[...].astype(out_dtype)
                 summed = [acc[epi_slices(mi, ni)] for mi, ni in epi_tiles]
-              store_tile(summed, out_smem, out_gmem.at[slices])
+              store_tile(summed, out_smem, out_gmem.at[slices], add=tma_add and reduce_on)
 
             if d > 1:
               @pl.when(jnp.logical_not(is_own))
@@ -320,11 +334,14 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
                 for o in range(1, d):
                   @pl.when(offset == o)
                   def _():
-                    if not num_comm:
+                    if tma_add:  # Into the owner's output, for it to add its own onto.
+                      dst = transport.peer(out_all, rank, o) if comm_on else out_gmem
+                      store_tile(subs, send_smem, dst.at[slices])
+                    elif not num_comm:
                       if not comm_on:
                         dst_recv = recv_local
                       else:
-                        dst_recv = transport.peer_recv(recv_gmem, rank, o)
+                        dst_recv = transport.peer(recv_gmem, rank, o)
                       store_tile(subs, send_smem,
                                  dst_recv.at[schedule.recv_slot(o - 1)].at[slices])
                     def announce_now(o=o):

@@ -117,7 +117,7 @@ def push_program(ctx: CommContext, comm_index):
       for o in range(1, d):  # Static peers: see transport.py.
         step = o - 1
         src = ctx.stage_local.at[step]
-        dst = transport.peer_recv(ctx.recv_gmem, rank, o).at[schedule.recv_slot(step)]
+        dst = transport.peer(ctx.recv_gmem, rank, o).at[schedule.recv_slot(step)]
 
         def emit(inc, o=o, step=step):
           transport.signal(sems, rank, o, where.delivered(step, comm_index, wg_idx), inc)
@@ -174,7 +174,7 @@ def pull_program(ctx: CommContext, comm_index):
       count = num_tiles * blocks
 
       for step in range(d - 1):  # Static peers: see transport.py.
-        src = transport.peer_stage(ctx.stage_gmem, rank, d - 1 - step).at[step]
+        src = transport.peer(ctx.stage_gmem, rank, d - 1 - step).at[step]
         dst = ctx.recv_local.at[schedule.recv_slot(step)]
 
         def load(j, step=step, src=src):

@@ -97,6 +97,10 @@ class Config:
     owner_sum: how the owner adds the partials (OWNER_SUMS): "fp32" (its fp32 accumulator,
       slot order, one rounding) or "bf16_ring" (bf16 partials only: the unfused path's
       arithmetic, bit for bit wherever the partials equal cuBLAS's). `numerics` names the pair.
+    tma_add: D = 2 with "bf16_ring" and the direct push only: the peer stores its partial
+      straight into the owner's output and the owner TMA-adds its own (bf16) onto it, the
+      same single rounding, so the same bits; nothing loaded, no receive buffer
+      (docs/design.md section 3.5).
   """
   tile_m: int = 128
   tile_n: int = 128
@@ -115,6 +119,7 @@ class Config:
   partial_dtype: str = "bfloat16"
   owner_sum: str = "fp32"
   comm_mode: str = "push"
+  tma_add: bool = False
 
   def __post_init__(self):
     tile_m, tile_n, tile_k = self.tile_m, self.tile_n, self.tile_k
@@ -154,6 +159,11 @@ class Config:
     if self.owner_sum == "bf16_ring" and self.partial_dtype != "bfloat16":
       raise ValueError(f"owner_sum='bf16_ring' adds bf16 partials; partial_dtype="
                        f"{self.partial_dtype!r} must be 'bfloat16'")
+    if not isinstance(self.tma_add, bool):
+      raise ValueError(f"tma_add={self.tma_add!r} must be a bool")
+    if self.tma_add and self.owner_sum != "bf16_ring":
+      raise ValueError(f"tma_add adds bf16 onto bf16; owner_sum={self.owner_sum!r} must be "
+                       "'bf16_ring' (numerics mode 'unfused_order')")
     object.__setattr__(self, "grid_minor_dim", MatmulDimension(self.grid_minor_dim))
     object.__setattr__(self, "wg_dimension", MatmulDimension(self.wg_dimension))
 
@@ -212,7 +222,8 @@ class Config:
     if num_devices > 1:
       if self.partial_itemsize != itemsize:  # Separate SMEM slots for the partials sent.
         total += 2 * self.num_out_slots * epi * self.partial_itemsize
-      total += 2 * self.recv_stages * epi * self.partial_itemsize
+      if not self.tma_add:  # The owner's receive prefetch stages.
+        total += 2 * self.recv_stages * epi * self.partial_itemsize
     return total + SMEM_SLACK_BYTES
 
   def comm_smem_bytes(self) -> int:
@@ -230,6 +241,12 @@ class Config:
     """Raises NotImplementedError if the kernel cannot take this (legal) problem with this config
     (`loopback`: on the one-GPU transport, whose D ranks share the GPU's CTAs)."""
     chunk = m // num_devices
+    if self.tma_add and (num_devices > 2 or self.comm_ctas):
+      # More partials per tile would add in arrival order (not deterministic) or in a chain of
+      # D - 1 NVLink rounds; comm CTAs would have to land their copy in the output.
+      raise NotImplementedError(
+          f"tma_add runs only at num_devices = 2 with the direct push, got {num_devices=}, "
+          f"comm_ctas={self.comm_ctas}")
     if self.chunk_group(m, num_devices) == 2:
       # Pairs: each warpgroup's tile has its own destination (docs/design.md section 3).
       if self.comm_ctas or self.eager_signal_steps:
@@ -284,21 +301,23 @@ def default_numerics(num_devices: int) -> str:
 
 
 def with_partial_dtype(cfg: Config, partial_dtype: str, num_devices: int) -> Config:
-  """`cfg` sending `partial_dtype` partials (owner sum in fp32): the epilogue sub-tile narrowed
-  and the pipeline shortened as far as needed to fit SMEM (the caller still checks the shape)."""
-  cfg = dataclasses.replace(cfg, partial_dtype=partial_dtype, owner_sum="fp32",
+  """`cfg` sending `partial_dtype` partials (owner sum in fp32, so no tma_add): the epilogue
+  sub-tile narrowed and the pipeline shortened as far as needed to fit SMEM (the caller still
+  checks the shape)."""
+  cfg = dataclasses.replace(cfg, partial_dtype=partial_dtype, owner_sum="fp32", tma_add=False,
                             epi_tile_n=_epi_tile_n(cfg.tile_n, partial_dtype))
   return fit_smem(cfg, num_devices)
 
 
 def with_numerics(cfg: Config, mode: str, num_devices: int) -> Config:
   """`cfg` in numerics mode `mode` (a key of NUMERICS_MODES), fitted to SMEM as
-  `with_partial_dtype` does."""
+  `with_partial_dtype` does; tma_add kept only where the mode's owner sum is "bf16_ring"."""
   if mode not in NUMERICS_MODES:
     raise ValueError(f"numerics mode {mode!r} must be one of {tuple(NUMERICS_MODES)}")
   partial_dtype, owner_sum = NUMERICS_MODES[mode]
   return fit_smem(dataclasses.replace(cfg, partial_dtype=partial_dtype, owner_sum=owner_sum,
-                                      epi_tile_n=_epi_tile_n(cfg.tile_n, partial_dtype)),
+                                      epi_tile_n=_epi_tile_n(cfg.tile_n, partial_dtype),
+                                      tma_add=cfg.tma_add and owner_sum == "bf16_ring"),
                   num_devices)
 
 

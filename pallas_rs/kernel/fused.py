@@ -195,7 +195,7 @@ def _build(transport, *, out_type, config: Config, num_devices: int, name: str,
   grid, grid_names = transport.grid(config.num_sms)
   body = functools.partial(body_lib.kernel_body, config=config, num_devices=num_devices,
                            transport=transport, skip=skip)
-  if num_devices == 1:
+  if num_devices == 1 or config.tma_add:
     body = functools.partial(_no_recv, body)
   return plgpu.kernel(
       body,
@@ -219,8 +219,11 @@ def _exchange_buffers(lead: tuple[int, ...], num_devices: int, chunk: int, n: in
                       config: Config) -> tuple[jax.ShapeDtypeStruct, ...]:
   """The receive slots [*lead, D - 1, chunk, n] and, with comm CTAs, the staging buffer of the
   same shape, in the config's partial dtype: extra kernel outputs (uninitialised), because
-  peers can only address kernel arguments (docs/design.md section 7)."""
+  peers can only address kernel arguments (docs/design.md section 7); none with tma_add (the
+  peer's partial lands in the output)."""
   buf = jax.ShapeDtypeStruct((*lead, num_devices - 1, chunk, n), jnp.dtype(config.partial_dtype))
+  if config.tma_add:
+    return ()
   return (buf, buf) if config.comm_ctas else (buf,)
 
 

@@ -56,11 +56,9 @@ class NVLinkTransport:
     """
     return {self.axis_name: lax.rem(rank + offset, self.num_devices)}
 
-  def peer_recv(self, recv, rank, offset: int):
-    return plgpu.remote_ref(recv, self._device_id(rank, offset))
-
-  def peer_stage(self, stage, rank, offset: int):
-    return plgpu.remote_ref(stage, self._device_id(rank, offset))
+  def peer(self, ref, rank, offset: int):
+    """The peer's (at `offset`) copy of kernel buffer `ref` (receive slots, staging, output)."""
+    return plgpu.remote_ref(ref, self._device_id(rank, offset))
 
   def semaphores(self, shape: tuple[int, int]):
     return pl.get_global(plgpu.SemaphoreType.REGULAR((*shape, NUM_COMPUTE_WGS)))
@@ -104,11 +102,8 @@ class LoopbackTransport:
   def _peer(self, rank, offset: int):
     return lax.rem(rank + offset, self.num_devices)
 
-  def peer_recv(self, recv, rank, offset: int):
-    return recv.at[self._peer(rank, offset)]
-
-  def peer_stage(self, stage, rank, offset: int):
-    return stage.at[self._peer(rank, offset)]
+  def peer(self, ref, rank, offset: int):
+    return ref.at[self._peer(rank, offset)]
 
   def semaphores(self, shape: tuple[int, int]):
     return pl.get_global(plgpu.SemaphoreType.REGULAR(

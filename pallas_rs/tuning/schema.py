@@ -110,6 +110,10 @@ def config_from_json(obj: Mapping[str, Any]):
       if not isinstance(value, str):
         raise ValueError(f"config field {name}={value!r} must be a string")
       continue
+    if name == "tma_add":
+      if not isinstance(value, bool):
+        raise ValueError(f"config field {name}={value!r} must be a bool")
+      continue
     if not isinstance(value, int) or isinstance(value, bool):
       raise ValueError(f"config field {name}={value!r} must be an int")
   for name in _DIMENSION_FIELDS:
