@@ -106,6 +106,10 @@ def test_tma_add_lowers(m, n, k_shard, tiles):
   assert "cp.reduce" in text  # the TMA add made it into the kernel
   if tiles:
     return
+  for mode, ctas in (("pull", 4), ("push", 2)):  # comm CTAs land the partial in the output too
+    comm = config_lib.fit_smem(dataclasses.replace(cfg, comm_mode=mode, comm_ctas=ctas), 2)
+    jax.export.export(jax.jit(functools.partial(
+        fused.loopback_matmul_reduce_scatter, config=comm)), platforms=["cuda"])(xs, ws)
   _export_shard_map(m, n, k_shard * 2, 2, config=cfg)
   for ablate in (("comm",), ("comm", "reduce")):
     f = functools.partial(fused.rank_alone, num_devices=2, config=cfg, ablate=ablate)
@@ -120,9 +124,8 @@ def test_tma_add_refusals():
   ring = dict(owner_sum="bf16_ring", tma_add=True)
   with pytest.raises(NotImplementedError, match="tma_add runs only at num_devices = 2"):
     config_lib.Config(**ring).check_shape(m=1024, n=1024, k_shard=512, num_devices=4)
-  with pytest.raises(NotImplementedError, match="comm_ctas=2"):
-    config_lib.Config(**ring, comm_ctas=2).check_shape(m=1024, n=1024, k_shard=512,
-                                                       num_devices=2)
+  config_lib.Config(**ring, comm_ctas=2).check_shape(m=1024, n=1024, k_shard=512,
+                                                     num_devices=2)  # comm CTAs land it too
   # Numerics transforms keep it only where the owner's sum stays the ring's.
   cfg = config_lib.Config(**ring)
   assert config_lib.with_numerics(cfg, "unfused_order", 2).tma_add

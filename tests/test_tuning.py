@@ -569,9 +569,8 @@ def test_comm_variants_keep_the_tiles_and_vary_only_the_comm_path():
   base = config_lib.with_numerics(
       config_lib.Config(tile_m=128, tile_n=128, grid_tile_width=4), "unfused_order", 2)
   got = candidates.comm_variants(base, m=8192, n=8192, k_shard=4096, num_devices=2)
-  assert [(c.comm_mode, c.comm_ctas, c.tma_add) for c in got] == [
-      ("push", 0, False), ("push", 0, True), ("pull", 2, False), ("pull", 4, False),
-      ("pull", 8, False), ("pull", 16, False), ("push", 8, False)]
+  assert [(c.comm_mode, c.comm_ctas) for c in got] == [
+      ("push", 0), ("pull", 2), ("pull", 4), ("pull", 8), ("pull", 16), ("push", 8)]
   for c in got:
     assert (c.tile_m, c.tile_n, c.grid_tile_width, c.numerics) == (128, 128, 4, "unfused_order")
     assert c.fits_smem(2)
@@ -581,14 +580,27 @@ def test_comm_variants_keep_the_tiles_and_vary_only_the_comm_path():
   # The incumbent first, when it is one of the variants too.
   p4 = dataclasses.replace(base, comm_mode="pull", comm_ctas=4)
   got = candidates.comm_variants(p4, m=8192, n=8192, k_shard=4096, num_devices=2)
-  assert (got[0].comm_mode, got[0].comm_ctas) == ("pull", 4) and len(got) == 7
-  # The owner's TMA add only in the ring's numerics and only at D = 2.
+  assert (got[0].comm_mode, got[0].comm_ctas) == ("pull", 4) and len(got) == 6
+  # The owner's sum by TMA add carries over to every way of moving the partials.
+  added = dataclasses.replace(base, tma_add=True)
+  assert all(c.tma_add for c in candidates.comm_variants(
+      added, m=8192, n=8192, k_shard=4096, num_devices=2))
+
+
+def test_owner_variants_switch_the_tma_add_where_it_can_run():
+  base = config_lib.with_numerics(config_lib.Config(tile_m=128, tile_n=128), "unfused_order", 2)
+  got = candidates.owner_variants(base, m=8192, n=8192, k_shard=4096, num_devices=2)
+  assert [c.tma_add for c in got] == [False, True] and got[0] == base
+  assert dataclasses.replace(got[1], tma_add=False) == base
+  added = got[1]
+  assert [c.tma_add for c in candidates.owner_variants(
+      added, m=8192, n=8192, k_shard=4096, num_devices=2)] == [True, False]
+  # Not at D = 4 (NotImplementedError: left out), not in other numerics (no variant).
+  assert candidates.owner_variants(config_lib.with_numerics(base, "unfused_order", 4),
+                                   m=8192, n=8192, k_shard=2048, num_devices=4) == [
+      config_lib.with_numerics(base, "unfused_order", 4)]
   f32 = config_lib.with_numerics(base, "fp32_partials", 2)
-  assert not any(c.tma_add for c in candidates.comm_variants(
-      f32, m=8192, n=8192, k_shard=4096, num_devices=2))
-  assert not any(c.tma_add for c in candidates.comm_variants(
-      config_lib.with_numerics(base, "unfused_order", 4), m=8192, n=8192, k_shard=2048,
-      num_devices=4))
+  assert candidates.owner_variants(f32, m=8192, n=8192, k_shard=4096, num_devices=2) == [f32]
   # A shape the tiles cannot take has no variants.
   assert candidates.comm_variants(base, m=8192, n=8192 + 128, k_shard=4096,
                                   num_devices=2) == []

@@ -123,7 +123,7 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
   assert (num_comm > 0) == (stage_local is not None), (num_comm, stage_gmem)
   # The owner TMA-adds its own partial onto the peer's, which lands in its output (D = 2).
   tma_add = config.tma_add and d > 1
-  assert not tma_add or (d == 2 and not num_comm and recv_gmem is None), (d, num_comm)
+  assert not tma_add or (d == 2 and recv_gmem is None), (d, recv_gmem)
   in_transforms = _swizzled(tile_k, dtype)
   epi_transforms = _swizzled(epi_n, out_dtype)
   part_transforms = _swizzled(epi_n, part_dtype)
@@ -334,7 +334,7 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
                 for o in range(1, d):
                   @pl.when(offset == o)
                   def _():
-                    if tma_add:  # Into the owner's output, for it to add its own onto.
+                    if tma_add and not num_comm:  # Into the owner's output, to add onto.
                       dst = transport.peer(out_all, rank, o) if comm_on else out_gmem
                       store_tile(subs, send_smem, dst.at[slices])
                     elif not num_comm:
@@ -388,7 +388,8 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
         config=config, num_devices=d, num_comm=num_comm, rank=rank, transport=transport,
         sems=sems, where=where, tiles=tiles, part_dtype=part_dtype, tile_slices=tile_slices,
         recv_gmem=recv_gmem, recv_local=recv_local, stage_gmem=stage_gmem,
-        stage_local=stage_local, stage_wait="stage_wait" not in skip,
+        stage_local=stage_local, out_gmem=out_all, out_local=out_gmem,
+        stage_wait="stage_wait" not in skip,
         recv_store="recv_store" not in skip, signal="comm_signal" not in skip)
 
     @pl.when(cta < num_comm)

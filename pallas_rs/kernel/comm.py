@@ -43,6 +43,8 @@ class CommContext:
   recv_local: Any  # this rank's receive slots [D - 1, chunk, n]
   stage_gmem: Any
   stage_local: Any  # this rank's staged partials [D - 1, chunk, n]
+  out_gmem: Any = None  # config.tma_add: partials land in the owners' outputs (unbound)
+  out_local: Any = None  # config.tma_add: this rank's output [chunk, n]
   stage_wait: bool = True  # False only for the "stage_wait" timing ablation
   recv_store: bool = True  # False only for the "recv_store" timing ablation (pull)
   signal: bool = True  # False only for the "comm_signal" timing ablation
@@ -117,7 +119,10 @@ def push_program(ctx: CommContext, comm_index):
       for o in range(1, d):  # Static peers: see transport.py.
         step = o - 1
         src = ctx.stage_local.at[step]
-        dst = transport.peer(ctx.recv_gmem, rank, o).at[schedule.recv_slot(step)]
+        if config.tma_add:  # The owner TMA-adds its own partial onto it (D = 2).
+          dst = transport.peer(ctx.out_gmem, rank, o)
+        else:
+          dst = transport.peer(ctx.recv_gmem, rank, o).at[schedule.recv_slot(step)]
 
         def emit(inc, o=o, step=step):
           transport.signal(sems, rank, o, where.delivered(step, comm_index, wg_idx), inc)
@@ -175,7 +180,8 @@ def pull_program(ctx: CommContext, comm_index):
 
       for step in range(d - 1):  # Static peers: see transport.py.
         src = transport.peer(ctx.stage_gmem, rank, d - 1 - step).at[step]
-        dst = ctx.recv_local.at[schedule.recv_slot(step)]
+        dst = (ctx.out_local if config.tma_add  # The owner's TMA add (D = 2).
+               else ctx.recv_local.at[schedule.recv_slot(step)])
 
         def load(j, step=step, src=src):
           @pl.when((lax.rem(j, blocks) == 0) & stage_wait)

@@ -97,8 +97,8 @@ class Config:
     owner_sum: how the owner adds the partials (OWNER_SUMS): "fp32" (its fp32 accumulator,
       slot order, one rounding) or "bf16_ring" (bf16 partials only: the unfused path's
       arithmetic, bit for bit wherever the partials equal cuBLAS's). `numerics` names the pair.
-    tma_add: D = 2 with "bf16_ring" and the direct push only: the peer stores its partial
-      straight into the owner's output and the owner TMA-adds its own (bf16) onto it, the
+    tma_add: D = 2 with "bf16_ring" only: the peer's partial lands straight in the owner's
+      output (direct push, or comm CTAs) and the owner TMA-adds its own (bf16) onto it, the
       same single rounding, so the same bits; nothing loaded, no receive buffer
       (docs/design.md section 3.5).
   """
@@ -241,12 +241,10 @@ class Config:
     """Raises NotImplementedError if the kernel cannot take this (legal) problem with this config
     (`loopback`: on the one-GPU transport, whose D ranks share the GPU's CTAs)."""
     chunk = m // num_devices
-    if self.tma_add and (num_devices > 2 or self.comm_ctas):
+    if self.tma_add and num_devices > 2:
       # More partials per tile would add in arrival order (not deterministic) or in a chain of
-      # D - 1 NVLink rounds; comm CTAs would have to land their copy in the output.
-      raise NotImplementedError(
-          f"tma_add runs only at num_devices = 2 with the direct push, got {num_devices=}, "
-          f"comm_ctas={self.comm_ctas}")
+      # D - 1 NVLink rounds (docs/design.md section 3.5).
+      raise NotImplementedError(f"tma_add runs only at num_devices = 2, got {num_devices=}")
     if self.chunk_group(m, num_devices) == 2:
       # Pairs: each warpgroup's tile has its own destination (docs/design.md section 3).
       if self.comm_ctas or self.eager_signal_steps:
@@ -407,6 +405,9 @@ def default_config(*, m: int, n: int, k_shard: int, num_devices: int,
                epi_tile_n=_epi_tile_n(tile_n, partial_dtype), wg_dimension=wg, num_sms=num_sms,
                partial_dtype=partial_dtype, owner_sum=owner_sum)
   cfg = _largest_steps(cfg, num_devices)
+  if num_devices == 2:  # The owner's TMA add: the same bits, 2-5 us less alone at small M
+    # (BUILD_NOTES 2026-12-01, fourth session); the pipeline depth as measured without it.
+    cfg = dataclasses.replace(cfg, tma_add=True)
   cfg.check_shape(m=m, n=n, k_shard=k_shard, num_devices=num_devices)
   return cfg
 

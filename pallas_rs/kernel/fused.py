@@ -196,7 +196,7 @@ def _build(transport, *, out_type, config: Config, num_devices: int, name: str,
   body = functools.partial(body_lib.kernel_body, config=config, num_devices=num_devices,
                            transport=transport, skip=skip)
   if num_devices == 1 or config.tma_add:
-    body = functools.partial(_no_recv, body)
+    body = functools.partial(_no_recv, body)  # (tma_add: out, then stage with comm CTAs)
   return plgpu.kernel(
       body,
       out_type=out_type,
@@ -211,8 +211,8 @@ def _build(transport, *, out_type, config: Config, num_devices: int, name: str,
   )
 
 
-def _no_recv(body, x, w, out):
-  body(x, w, out, None)
+def _no_recv(body, x, w, out, stage=None):
+  body(x, w, out, None, stage)
 
 
 def _exchange_buffers(lead: tuple[int, ...], num_devices: int, chunk: int, n: int,
@@ -222,9 +222,8 @@ def _exchange_buffers(lead: tuple[int, ...], num_devices: int, chunk: int, n: in
   peers can only address kernel arguments (docs/design.md section 7); none with tma_add (the
   peer's partial lands in the output)."""
   buf = jax.ShapeDtypeStruct((*lead, num_devices - 1, chunk, n), jnp.dtype(config.partial_dtype))
-  if config.tma_add:
-    return ()
-  return (buf, buf) if config.comm_ctas else (buf,)
+  recv = () if config.tma_add else (buf,)
+  return (*recv, buf) if config.comm_ctas else recv
 
 
 def fused_matmul_reduce_scatter(x, w, *, axis_name, num_devices: int,

@@ -112,16 +112,24 @@ COMM_VARIANTS = (("push", 0), ("pull", 2), ("pull", 4), ("pull", 8), ("pull", 16
 
 def comm_variants(base: Config, *, m: int, n: int, k_shard: int, num_devices: int,
                   pull: bool = True) -> list[Config]:
-  """`base` (its tiles, pipeline and numerics kept) with each way of moving the partials in
-  COMM_VARIANTS (comm_ctas 0 is v1's direct push) and, in the ring's numerics at D = 2, the
-  direct push with the owner's TMA add (Config.tma_add), fitted to SMEM; those the kernel
+  """`base` (its tiles, pipeline, numerics and owner's sum kept) with each way of moving the
+  partials in COMM_VARIANTS (comm_ctas 0 is v1's direct push), fitted to SMEM; those the kernel
   cannot take for the shape left out; `pull=False` leaves the pulling ones out (jax < 0.11.2).
   `base` itself (the incumbent) comes first when the kernel takes it."""
-  variants = [dataclasses.replace(base, comm_mode=mode, comm_ctas=ctas, tma_add=False)
-              for mode, ctas in COMM_VARIANTS if pull or mode != "pull"]
-  if base.owner_sum == "bf16_ring":  # The direct push with the owner's TMA add (D = 2).
-    variants.insert(1, dataclasses.replace(base, comm_mode="push", comm_ctas=0, tma_add=True))
-  return _fitting([base, *variants], m=m, n=n, k_shard=k_shard, num_devices=num_devices)
+  return _fitting([dataclasses.replace(base, comm_mode=mode, comm_ctas=ctas)
+                   for mode, ctas in ((base.comm_mode, base.comm_ctas), *COMM_VARIANTS)
+                   if pull or mode != "pull"],
+                  m=m, n=n, k_shard=k_shard, num_devices=num_devices)
+
+
+def owner_variants(base: Config, *, m: int, n: int, k_shard: int,
+                   num_devices: int) -> list[Config]:
+  """`base` (the incumbent) first, then `base` with the owner's sum by TMA add switched over
+  (Config.tma_add: D = 2 in the ring's numerics, where it gives the same bits), fitted to SMEM;
+  those the kernel cannot take for the shape left out."""
+  other = [dataclasses.replace(base, tma_add=not base.tma_add)] if (
+      base.owner_sum == "bf16_ring") else []
+  return _fitting([base, *other], m=m, n=n, k_shard=k_shard, num_devices=num_devices)
 
 
 def _fitting(configs, *, m: int, n: int, k_shard: int, num_devices: int) -> list[Config]:
