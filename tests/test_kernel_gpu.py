@@ -200,3 +200,45 @@ def test_tma_add_bit_identical_to_the_owner_epilogue(m, n, k_shard, tiles):
     ref = testing.stacked_reference(xs, ws)
     assert reference.max_rel_error(got, ref) <= 1.1 * reference.max_rel_error(
         _unfused_ring(xs, ws), ref)
+
+
+def test_tma_add_back_to_back_calls():
+  # A TMA add issued before the peer's partial landed, or a partial landing on an added tile,
+  # would move the output from call to call: 100 calls alternating two shapes, fresh inputs,
+  # every bit against the owner's epilogue.
+  fns = {}
+  for m, n, k_shard in ((512, 1024, 512), (1024, 768, 1024)):
+    base = config_lib.with_numerics(
+        config_lib.default_config(m=m, n=n, k_shard=k_shard, num_devices=2), "unfused_order", 2)
+    assert base.tma_add  # the D = 2 default
+    fns[m] = [jax.jit(functools.partial(fused.loopback_matmul_reduce_scatter, config=cfg))
+              for cfg in (dataclasses.replace(base, tma_add=False), base)]
+  for call in range(100):
+    m, n, k_shard = (512, 1024, 512) if call % 2 else (1024, 768, 1024)
+    xs, ws = testing.stacked_inputs(9000 + call, 2, m, k_shard, n)
+    want, got = (np.asarray(f(xs, ws)) for f in fns[m])
+    assert np.array_equal(want.view(np.uint16), got.view(np.uint16)), call
+
+
+def test_pairs_back_to_back_calls():
+  # Pairs at D = 8 and D = 4 (the summing warpgroup uses both warpgroups' receive stages):
+  # 60 calls alternating the two, fresh inputs each, the error rule every call and the same
+  # inputs twice every 10th call (a race moves the bits).
+  fns = {}
+  for d, n, k_shard in ((8, 2048, 512), (4, 1536, 512)):
+    cfg = config_lib.fit_smem(config_lib.with_numerics(config_lib.Config(
+        tile_m=64, tile_n=256 if n % 256 == 0 else 192, wg_dimension=_WG_M),
+        config_lib.default_numerics(d), d), d)
+    assert cfg.chunk_group(64 * d, d) == 2
+    fns[d] = (jax.jit(functools.partial(fused.loopback_matmul_reduce_scatter, config=cfg)),
+              n, k_shard)
+  for call in range(60):
+    d = 8 if call % 2 else 4
+    f, n, k_shard = fns[d]
+    xs, ws = testing.stacked_inputs(11000 + call, d, 64 * d, k_shard, n)
+    out = np.asarray(f(xs, ws))
+    ref = testing.stacked_reference(xs, ws)
+    assert reference.max_rel_error(out, ref) <= 1.1 * reference.max_rel_error(
+        _unfused_ring(xs, ws), ref), call
+    if call % 10 == 0:
+      assert np.array_equal(out.view(np.uint16), np.asarray(f(xs, ws)).view(np.uint16)), call
