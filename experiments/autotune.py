@@ -72,7 +72,8 @@ flags.DEFINE_enum("candidates", "search", ["search", "comm", "tiles", "owner"],
                   "(table or default) with each way of moving the partials "
                   "(candidates.comm_variants: direct push, pulling / pushing comm CTAs); "
                   "'tiles' = that config with each CTA tile shape (candidates.tile_variants: "
-                  "small M); 'owner' = that config with and without the owner's TMA add "
+                  "small M; at D = 2 the challengers with the owner's TMA add); 'owner' = "
+                  "that config with and without the owner's TMA add "
                   "(candidates.owner_variants: D = 2).")
 flags.DEFINE_bool("loopback", True, "single_gpu: also time the loopback at the "
                   "case's D with the best 2 configs (informational entries).")
@@ -116,10 +117,12 @@ def _merge_into_table(path: str, entries: list[dict]) -> None:
 def _short(cfg) -> str:
   if cfg is None:
     return "-"
-  # The CTA tile (warpgroups side by side along N, or "/M" along M), pipeline, grid order.
+  # The CTA tile (warpgroups side by side along N, or "/M" along M), pipeline, grid order,
+  # receive stages (or "+add": the owner's TMA add, which has none), eager signals, comm CTAs.
   return (f"m{cfg.tile_m}n{cfg.tile_n}{'/M' if cfg.wg_dimension.name == 'M' else ''}"
           f"s{cfg.max_concurrent_steps}"
-          f"{cfg.grid_minor_dim.name}w{cfg.grid_tile_width}r{cfg.recv_stages}"
+          f"{cfg.grid_minor_dim.name}w{cfg.grid_tile_width}"
+          + ("+add" if cfg.tma_add else f"r{cfg.recv_stages}")
           + (f"e{cfg.eager_signal_steps}" if cfg.eager_signal_steps else "")
           + (f"{'p' if cfg.comm_mode == 'pull' else 'c'}{cfg.comm_ctas}" if cfg.comm_ctas
              else ""))
@@ -374,7 +377,11 @@ def multi_gpu_candidates(*, m: int, n: int, k_shard: int, d: int) -> list:
   except NotImplementedError:
     return []
   if FLAGS.candidates == "tiles":
-    return candidates.tile_variants(base, m=m, n=n, k_shard=k_shard, num_devices=d)
+    # The challengers with the owner's TMA add where it runs (D = 2 in the ring's numerics:
+    # the same bits, measured cheaper alone), the incumbent as it is.
+    tma_add = True if d == 2 and base.owner_sum == "bf16_ring" else None
+    return candidates.tile_variants(base, m=m, n=n, k_shard=k_shard, num_devices=d,
+                                    tma_add=tma_add)
   if FLAGS.candidates == "owner":
     return candidates.owner_variants(base, m=m, n=n, k_shard=k_shard, num_devices=d)
   return candidates.comm_variants(base, m=m, n=n, k_shard=k_shard, num_devices=d,

@@ -15,6 +15,7 @@
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh smallm_proxy8  # the same at D = 8's k_shard
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh timeline # M = 512/2048: per-call phase timeline (profiler)
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh tiles    # M = 512/2048 (seed, proxy8): retune the CTA tile
+#   OUT=/tmp/mg bash experiments/run_multi_gpu.sh owner    # D = 2, all 32 shapes: each entry with/without the TMA add
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh alone    # one GPU is enough: one rank's program alone
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_ALLOCATOR=default
@@ -83,14 +84,15 @@ llama70b_o_proj_m512,llama70b_o_proj_m32768,mixtral8x22b_w2_m2048,llama70b_down_
       | quiet | tail -24 ;;
   smallm|smallm_proxy8)
     # Issue 19: the kernel without communication or owner sum ("neither") against XLA's dot,
-    # for the table's tiles, the M split's 128 x 256 and 128 x 192 and 64 x 256, at M = 512 and 2048.
+    # for the table's config, then with the owner's TMA add (tadd, D = 2) on the table's tiles
+    # and the M split's 128 x 256 and 128 x 192, at M = 512 and 2048.
     suffix=""; [ "$1" = smallm_proxy8 ] && suffix=_proxy8
     names=""
     for p in llama70b_o_proj llama70b_down_proj mixtral8x22b_o_proj mixtral8x22b_w2; do
       for m in 512 2048; do names="$names${names:+,}${p}_m${m}${suffix}"; done
     done
     timeout 540 python3 experiments/ablate.py --names="$names" --iterations=50 \
-      --configs=table,t64x256_wm,t64x192_wm,t64x128 --ablations=fused,neither \
+      --configs=table,tadd,tadd_t64x256_wm,tadd_t64x192_wm --ablations=fused,neither \
       --out="$out/ablate_$1.json" 2>&1 | quiet | tail -75 ;;
   alone)
     # Issue 19 on one GPU: one rank's program of a D-device call alone on all SMs
@@ -104,7 +106,7 @@ llama70b_o_proj_m512,llama70b_o_proj_m32768,mixtral8x22b_w2_m2048,llama70b_down_
       done
     done
     timeout 350 python3 experiments/ablate.py --alone --num_devices=2 --names="$seed,$proxy" \
-      --iterations=50 --configs=table,t64x256_wm,t64x192_wm --ablations=no_comm,neither \
+      --iterations=50 --configs=table,tadd,tadd_t64x192_wm --ablations=no_comm,neither \
       --out="$out/ablate_alone_d2.json" 2>&1 | quiet | tail -90
     timeout 220 python3 experiments/ablate.py --alone --num_devices=8 --names="$seed" \
       --iterations=50 --configs=table,t64x128_wn,t64x192_wm --ablations=no_comm,neither \
@@ -121,12 +123,21 @@ llama70b_o_proj_m512,llama70b_o_proj_m32768,mixtral8x22b_w2_m2048,llama70b_down_
     timeout 560 python3 experiments/autotune.py --mode=multi_gpu --candidates=tiles --tags= \
       --names="$names" --iterations=20 --margin=0.02 --table="$out/tuning_table.json" \
       --out="$out/autotune_tiles.json" 2>&1 | quiet | tail -24 ;;
+  owner)
+    # The owner's sum by TMA add (Config.tma_add, D = 2): each of the 32 D = 2 entries (seed and
+    # proxy8) with it switched, into a copy of the tuning table; a challenger needs a 2% win.
+    cp pallas_rs/tuning/data/tuning_table.json "$out/tuning_table.json"
+    for tag in seed proxy8; do
+      timeout 270 python3 experiments/autotune.py --mode=multi_gpu --candidates=owner \
+        --tags=$tag --iterations=20 --margin=0.02 --table="$out/tuning_table.json" \
+        --out="$out/autotune_owner_$tag.json" 2>&1 | quiet | tail -18
+    done ;;
   timeline)
     # Issue 19: where a small-M call's time goes (Mosaic GPU profiler traces under $out/traces).
     timeout 400 python3 experiments/timeline.py --configs=table --trace_dir="$out/traces" \
       --names=llama70b_o_proj_m512,llama70b_down_proj_m512,mixtral8x22b_o_proj_m512,\
 mixtral8x22b_w2_m512,llama70b_o_proj_m2048,mixtral8x22b_o_proj_m2048 \
       --out="$out/timeline.json" 2>&1 | quiet | tail -20 ;;
-  *) echo "usage: $0 check|sweep|proxy8|ablate|probe|numerics|model|roofline|mesh2d|smallm|smallm_proxy8|timeline|tiles|ag|alone" >&2
+  *) echo "usage: $0 check|sweep|proxy8|ablate|probe|numerics|model|roofline|mesh2d|smallm|smallm_proxy8|timeline|tiles|owner|ag|alone" >&2
      exit 2 ;;
 esac

@@ -629,6 +629,10 @@ def test_tile_variants_keep_the_comm_path_and_fill_the_sms():
   pull = dataclasses.replace(config_lib.Config(tile_m=64), comm_ctas=2, comm_mode="pull")
   assert all(c.cta_tile_m == 64 for c in candidates.tile_variants(
       pull, m=512, n=8192, k_shard=1024, num_devices=8))
+  # tma_add=True: the incumbent as it is, then its own tiles and every other with the TMA add.
+  got = candidates.tile_variants(base, m=512, n=6144, k_shard=8192, num_devices=2, tma_add=True)
+  assert got[0] == base and got[1] == dataclasses.replace(base, tma_add=True)
+  assert all(c.tma_add for c in got[1:]) and len(got) == len(set(got))
 
 
 def test_default_tiles_follow_the_wave_model():

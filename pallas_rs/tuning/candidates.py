@@ -156,13 +156,15 @@ TILE_VARIANTS = ((128, 128, "N"), (64, 128, "N"), (128, 64, "N"), (64, 256, "M")
                  (64, 192, "M"), (64, 128, "M"), (128, 128, "M"))
 
 
-def tile_variants(base: Config, *, m: int, n: int, k_shard: int,
-                  num_devices: int) -> list[Config]:
+def tile_variants(base: Config, *, m: int, n: int, k_shard: int, num_devices: int,
+                  tma_add: bool | None = None) -> list[Config]:
   """`base` (its comm path, pipeline and numerics kept) with each CTA tile of TILE_VARIANTS,
   fitted to SMEM; those the kernel cannot take for the shape left out; `base` itself (the
-  incumbent) first when the kernel takes it."""
-  return _fitting([base] + [
-      dataclasses.replace(base, tile_m=tile_m, tile_n=tile_n,
+  incumbent) first when the kernel takes it. `tma_add` (None: the base's) sets the challengers'
+  owner's sum, `base`'s tiles with it among them, so that one retune weighs both."""
+  challenger = base if tma_add is None else dataclasses.replace(base, tma_add=tma_add)
+  return _fitting([base, challenger] + [
+      dataclasses.replace(challenger, tile_m=tile_m, tile_n=tile_n,
                           wg_dimension=config_lib.MatmulDimension[wg],
                           epi_tile_n=min(base.epi_tile_n, tile_n))
       for tile_m, tile_n, wg in TILE_VARIANTS], m=m, n=n, k_shard=k_shard,
