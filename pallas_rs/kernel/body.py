@@ -173,21 +173,10 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
       out_smem=plgpu.SMEM((_NUM_COMPUTE_WGS, num_out_slots, epi_m, epi_n), out_dtype,
                           transforms=epi_transforms),
   )
-  # On a CTA's last tile the pipeline's stages are idle after the mainloop: with the warpgroups
-  # along M the x blocks only this warpgroup read (its rows) can take partial sub-tiles too
-  # (64 x 64 bf16: the same layout; a 64-column block of w is not contiguous in SMEM, so the
-  # N split has none), so that the owner's sum of the tail has more loads in flight
-  # (docs/design.md section 3).
-  reuse_blocks = 0
-  if (d > 1 and wg_m and not tma_add and reduce_on and part_dtype == dtype and tile_k == 64
-      and (epi_m, epi_n) == (64, 64)):
-    reuse_blocks = min(16, config.max_concurrent_steps * tile_m // 64)
   if d > 1 and not tma_add:
     scoped["part_smem"] = plgpu.SMEM((_NUM_COMPUTE_WGS, recv_stages, epi_m, epi_n), part_dtype,
                                      transforms=part_transforms)
     scoped["part_barrier"] = plgpu.Barrier(num_barriers=_NUM_COMPUTE_WGS * recv_stages)
-  if reuse_blocks:
-    scoped["reuse_barrier"] = plgpu.Barrier(num_barriers=_NUM_COMPUTE_WGS * reuse_blocks)
   if d > 1 and part_dtype != out_dtype:
     scoped["send_smem"] = plgpu.SMEM((_NUM_COMPUTE_WGS, num_out_slots, epi_m, epi_n),
                                      part_dtype, transforms=part_transforms)
@@ -196,8 +185,7 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
     """The GEMM: CTA `cta_index` of `num_compute` walks linear tiles cta_index, +num_compute..."""
 
     @functools.partial(pl.run_scoped, collective_axes="wg", **scoped)
-    def _scope(pipeline_allocs, out_smem, part_smem=None, part_barrier=None, send_smem=None,
-               reuse_barrier=None):
+    def _scope(pipeline_allocs, out_smem, part_smem=None, part_barrier=None, send_smem=None):
       wg_idx = lax.axis_index("wg")
       epi_tiles = [(mi, ni) for mi in range(tile_m // epi_m) for ni in range(tile_n // epi_n)]
       if send_smem is None:
@@ -243,41 +231,24 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
             else:
               transport.wait(sems, rank, where.arrived(tile, wg_idx), d - 1)
 
-      def reused_slots():
-        """(SMEM slot, barrier) pairs in the pipeline blocks only this warpgroup read: valid
-        after the mainloop of the CTA's last tile (the memory warpgroup loads nothing more)."""
-        x_smem = pipeline_allocs["flat_in_smem_refs"][0]  # [steps, cta_tile_m, tile_k]
-        slots = []
-        for q in range(reuse_blocks):
-          st, b = divmod(q, tile_m // 64)
-          block = x_smem.at[st].at[pl.ds(wg_idx * tile_m + 64 * b, 64), :]
-          slots.append((block, reuse_barrier.at[wg_idx * reuse_blocks + q]))
-        return slots
-
-      def reduce_tile(acc, tile, slices, last=False):
+      def reduce_tile(acc, tile, slices):
         """The own tile's sum of all D partials -> out_dtype sub-tiles (config.owner_sum):
         "fp32": acc (f32) + the received partials in slot order, rounded once;
-        "bf16_ring": the unfused path's arithmetic, schedule.ring_slots. `last`: the CTA's
-        last tile (the idle pipeline blocks take loads too: reused_slots)."""
+        "bf16_ring": the unfused path's arithmetic, schedule.ring_slots."""
         owner_wait(tile)
         loads = [(mi, ni, j) for mi, ni in epi_tiles for j in slot_order]
         if not reduce_on:
           loads = []
         # With pairs one warpgroup of the CTA (rank % 2's) sums and the other only sends, so
         # the summing one takes both warpgroups' receive stages: twice the loads in flight.
-        if pairs:
-          slots = [(part_smem.at[b // recv_stages, b % recv_stages], part_barrier.at[b])
-                   for b in range(_NUM_COMPUTE_WGS * recv_stages)]
-        else:
-          slots = [(part_smem.at[wg_idx, b], part_barrier.at[wg_idx * recv_stages + b])
-                   for b in range(recv_stages)]
-        if last:
-          slots += reused_slots()
-        stages = len(slots)
+        stages = _NUM_COMPUTE_WGS * recv_stages if pairs else recv_stages
 
         def stage(i):
           """(SMEM slot, barrier) of load i."""
-          return slots[i % stages]
+          buf = i % stages
+          if pairs:
+            return part_smem.at[buf // recv_stages, buf % recv_stages], part_barrier.at[buf]
+          return part_smem.at[wg_idx, buf], part_barrier.at[wg_idx * recv_stages + buf]
 
         def issue(i):
           mi, ni, j = loads[i]
@@ -342,14 +313,6 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
             @pl.when(is_own)
             @jax.named_scope("own_epilogue")
             def _own():
-              if reuse_blocks:
-                is_last = lin_idx + num_compute >= steps * tiles
-                for last in (True, False):
-                  @pl.when(is_last if last else jnp.logical_not(is_last))
-                  def _(last=last):
-                    store_tile(reduce_tile(acc_ref[...], tile, slices, last=last), out_smem,
-                               out_gmem.at[slices])
-                return
               if d > 1 and not tma_add:
                 summed = reduce_tile(acc_ref[...], tile, slices)
               else:
