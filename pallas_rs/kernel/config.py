@@ -427,17 +427,21 @@ def search_space(*, m: int, n: int, k_shard: int, num_devices: int,
   tried around a tuned config by candidates.comm_variants (autotune.py --candidates=comm)."""
   # Fixed per D by the error rule (default_numerics), not tuned.
   partial_dtype, owner_sum = NUMERICS_MODES[default_numerics(num_devices)]
+  tma_add = num_devices == 2  # As default_config: the owner's TMA add, no receive stages.
   for (tile_m, tile_n, wg), steps, recv_stages, minor, width, eager, comm, out_slots in (
       itertools.product(_SEARCH_TILES, (2, 3, 4, 5), (1, 2, 4),
                         (MatmulDimension.N, MatmulDimension.M), (1, 4), (0, 1),
                         (0, 1, 2, 4, 8), (0, 8))):
     if num_devices == 1 and (recv_stages != 1 or eager or comm or out_slots):
       continue
+    if tma_add and recv_stages != 2:  # (they allocate nothing: the same kernel)
+      continue
     cfg = Config(tile_m=tile_m, tile_n=tile_n, tile_k=64, max_concurrent_steps=steps,
                  epi_tile_m=64, epi_tile_n=_epi_tile_n(tile_n, partial_dtype), wg_dimension=wg,
                  recv_stages=recv_stages, grid_minor_dim=minor, grid_tile_width=width,
                  num_sms=num_sms, eager_signal_steps=eager, comm_ctas=comm,
-                 out_slots=out_slots, partial_dtype=partial_dtype, owner_sum=owner_sum)
+                 out_slots=out_slots, partial_dtype=partial_dtype, owner_sum=owner_sum,
+                 tma_add=tma_add)
     try:
       cfg.check_shape(m=m, n=n, k_shard=k_shard, num_devices=num_devices)
     except NotImplementedError:
