@@ -405,8 +405,9 @@ def default_config(*, m: int, n: int, k_shard: int, num_devices: int,
                epi_tile_n=_epi_tile_n(tile_n, partial_dtype), wg_dimension=wg, num_sms=num_sms,
                partial_dtype=partial_dtype, owner_sum=owner_sum)
   cfg = _largest_steps(cfg, num_devices)
-  if num_devices == 2:  # The owner's TMA add: the same bits, 2-5 us less alone at small M
-    # (BUILD_NOTES 2026-12-01, fourth session); the pipeline depth as measured without it.
+  if num_devices == 2 and owner_sum == "bf16_ring":  # The owner's TMA add: the same bits,
+    # 2-5 us less alone at small M (BUILD_NOTES 2026-12-01, fourth session); the pipeline
+    # depth as measured without it.
     cfg = dataclasses.replace(cfg, tma_add=True)
   cfg.check_shape(m=m, n=n, k_shard=k_shard, num_devices=num_devices)
   return cfg
@@ -427,7 +428,7 @@ def search_space(*, m: int, n: int, k_shard: int, num_devices: int,
   tried around a tuned config by candidates.comm_variants (autotune.py --candidates=comm)."""
   # Fixed per D by the error rule (default_numerics), not tuned.
   partial_dtype, owner_sum = NUMERICS_MODES[default_numerics(num_devices)]
-  tma_add = num_devices == 2  # As default_config: the owner's TMA add, no receive stages.
+  tma_add = num_devices == 2 and owner_sum == "bf16_ring"  # As default_config.
   for (tile_m, tile_n, wg), steps, recv_stages, minor, width, eager, comm, out_slots in (
       itertools.product(_SEARCH_TILES, (2, 3, 4, 5), (1, 2, 4),
                         (MatmulDimension.N, MatmulDimension.M), (1, 4), (0, 1),
