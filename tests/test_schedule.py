@@ -276,9 +276,8 @@ def test_pairs_walk_every_chunk_once_own_pair_last():
             for wg in (0, 1)]
     assert sorted(dsts) == list(range(d))
     assert r in dsts[-2:]  # the own pair last
-    # The group formula at g = 1 is the stagger of dst_offset.
-    assert all(schedule.wg_dst(r, s, 0, d, 1) == (r + schedule.dst_offset(s, d)) % d
-               for s in range(d))
+    # The group formula at g = 1 is the plain stagger: step s computes chunk r + s + 1.
+    assert all(schedule.wg_dst(r, s, 0, d, 1) == (r + s + 1) % d for s in range(d))
 
 
 def test_pairs_remote_half_beside_the_own_chunk_announces_before_the_own_half_waits():

@@ -84,11 +84,6 @@ def step_and_tile(lin_idx: Any, tiles_per_chunk: int) -> tuple[Any, Any]:
   return lin_idx // tiles_per_chunk, lin_idx % tiles_per_chunk
 
 
-def dst_offset(step: Any, num_devices: int) -> Any:
-  """Offset `o` of the destination `(rank + o) % D` computed at `step`; 0 is the own chunk."""
-  return (step + 1) % num_devices
-
-
 def chunk_group(chunk: int, tile_m: int, wg_along_m: bool, num_devices: int) -> int:
   """Row chunks one CTA tile spans: 2 where the warpgroups stack along M and each is a whole
   chunk high (a 128-row tile over the 64-row chunks of ranks 2p and 2p + 1, one warpgroup
@@ -105,7 +100,7 @@ def num_steps(num_devices: int, group: int = 1) -> int:
 def wg_dst(rank: Any, step: Any, wg: Any, num_devices: int, group: int = 1) -> Any:
   """Destination rank of warpgroup `wg`'s tile at `step`: chunk group (rank // g + step + 1)
   mod D / g (the stagger), and in it the warpgroup's own chunk (g = 2) or the group's one
-  chunk (g = 1, both warpgroups: `(rank + dst_offset(step)) % D`)."""
+  chunk (g = 1, both warpgroups: `(rank + step + 1) % D`)."""
   groups = num_devices // group
   first = (rank // group + step + 1) % groups * group
   return first + wg if group == 2 else first
@@ -234,7 +229,7 @@ def _comm_program(rank: int, cta: int, *, comm_ctas: int, num_devices: int,
   d = num_devices
   events = []
   for step in range(own_step(d)):
-    dst = (rank + dst_offset(step, d)) % d
+    dst = wg_dst(rank, step, 0, d)
     slot = recv_slot(step)
     for q, tile in enumerate(range(cta, tiles_per_chunk, comm_ctas)):
       events.append(Event("wait_staged", rank, cta, step, tile, rank, slot, target=1))
