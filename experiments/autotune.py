@@ -371,6 +371,7 @@ def multi_gpu_candidates(*, m: int, n: int, k_shard: int, d: int) -> list:
   if FLAGS.candidates == "search":
     return candidates.candidate_configs(m=m, n=n, k_shard=k_shard, num_devices=d,
                                         max_configs=FLAGS.max_configs)
+  from pallas_rs.kernel import config as config_lib  # pylint: disable=g-import-not-at-top
   from pallas_rs.kernel import fused  # pylint: disable=g-import-not-at-top
   try:
     base = tuned_config(m=m, k_shard=k_shard, n=n, dtype="bfloat16", num_devices=d)
@@ -379,7 +380,7 @@ def multi_gpu_candidates(*, m: int, n: int, k_shard: int, d: int) -> list:
   if FLAGS.candidates == "tiles":
     # The challengers with the owner's TMA add where it runs (D = 2 in the ring's numerics:
     # the same bits, measured cheaper alone), the incumbent as it is.
-    tma_add = True if d == 2 and base.owner_sum == "bf16_ring" else None
+    tma_add = True if config_lib.tma_add_runs(d, base.owner_sum) else None
     return candidates.tile_variants(base, m=m, n=n, k_shard=k_shard, num_devices=d,
                                     tma_add=tma_add)
   if FLAGS.candidates == "owner":

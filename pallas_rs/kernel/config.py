@@ -97,10 +97,9 @@ class Config:
     owner_sum: how the owner adds the partials (OWNER_SUMS): "fp32" (its fp32 accumulator,
       slot order, one rounding) or "bf16_ring" (bf16 partials only: the unfused path's
       arithmetic, bit for bit wherever the partials equal cuBLAS's). `numerics` names the pair.
-    tma_add: D = 2 with "bf16_ring" only: the peer's partial lands straight in the owner's
-      output (direct push, or comm CTAs) and the owner TMA-adds its own (bf16) onto it, the
-      same single rounding, so the same bits; nothing loaded, no receive buffer
-      (docs/design.md section 3.5).
+    tma_add: the peer's partial lands in the owner's output (direct push or comm CTAs) and the
+      owner TMA-adds its own bf16 partial onto it: the same bits, nothing loaded, no receive
+      buffer (D = 2 with "bf16_ring" only: tma_add_runs; docs/design.md section 3.5).
   """
   tile_m: int = 128
   tile_n: int = 128
@@ -241,9 +240,7 @@ class Config:
     """Raises NotImplementedError if the kernel cannot take this (legal) problem with this config
     (`loopback`: on the one-GPU transport, whose D ranks share the GPU's CTAs)."""
     chunk = m // num_devices
-    if self.tma_add and num_devices > 2:
-      # More partials per tile would add in arrival order (not deterministic) or in a chain of
-      # D - 1 NVLink rounds (docs/design.md section 3.5).
+    if self.tma_add and num_devices > 2:  # Why not: docs/design.md section 3.5.
       raise NotImplementedError(f"tma_add runs only at num_devices = 2, got {num_devices=}")
     if self.chunk_group(m, num_devices) == 2:
       # Pairs: each warpgroup's tile has its own destination (docs/design.md section 3).
@@ -281,6 +278,12 @@ class Config:
              if loopback else "rank"))
 
 
+def tma_add_runs(num_devices: int, owner_sum: str) -> bool:
+  """Whether the owner's TMA add (Config.tma_add) can run, and so is the default: D = 2 in the
+  ring's numerics (same bits; 2-5 us less alone at small M, BUILD_NOTES 2026-12-01)."""
+  return num_devices == 2 and owner_sum == "bf16_ring"
+
+
 def default_numerics(num_devices: int) -> str:
   """The numerics mode (NUMERICS_MODES) that keeps the seed's error rule at this D, at the
   fewest bytes (docs/design.md section 5).
@@ -299,9 +302,8 @@ def default_numerics(num_devices: int) -> str:
 
 
 def with_partial_dtype(cfg: Config, partial_dtype: str, num_devices: int) -> Config:
-  """`cfg` sending `partial_dtype` partials (owner sum in fp32, so no tma_add): the epilogue
-  sub-tile narrowed and the pipeline shortened as far as needed to fit SMEM (the caller still
-  checks the shape)."""
+  """`cfg` sending `partial_dtype` partials (fp32 owner sum, no tma_add): the epilogue sub-tile
+  narrowed, the pipeline shortened as far as needed to fit SMEM (the caller checks the shape)."""
   cfg = dataclasses.replace(cfg, partial_dtype=partial_dtype, owner_sum="fp32", tma_add=False,
                             epi_tile_n=_epi_tile_n(cfg.tile_n, partial_dtype))
   return fit_smem(cfg, num_devices)
@@ -405,10 +407,7 @@ def default_config(*, m: int, n: int, k_shard: int, num_devices: int,
                epi_tile_n=_epi_tile_n(tile_n, partial_dtype), wg_dimension=wg, num_sms=num_sms,
                partial_dtype=partial_dtype, owner_sum=owner_sum)
   cfg = _largest_steps(cfg, num_devices)
-  if num_devices == 2 and owner_sum == "bf16_ring":  # The owner's TMA add: the same bits,
-    # 2-5 us less alone at small M (BUILD_NOTES 2026-12-01, fourth session); the pipeline
-    # depth as measured without it.
-    cfg = dataclasses.replace(cfg, tma_add=True)
+  cfg = dataclasses.replace(cfg, tma_add=tma_add_runs(num_devices, owner_sum))  # steps as measured
   cfg.check_shape(m=m, n=n, k_shard=k_shard, num_devices=num_devices)
   return cfg
 
@@ -428,7 +427,7 @@ def search_space(*, m: int, n: int, k_shard: int, num_devices: int,
   tried around a tuned config by candidates.comm_variants (autotune.py --candidates=comm)."""
   # Fixed per D by the error rule (default_numerics), not tuned.
   partial_dtype, owner_sum = NUMERICS_MODES[default_numerics(num_devices)]
-  tma_add = num_devices == 2 and owner_sum == "bf16_ring"  # As default_config.
+  tma_add = tma_add_runs(num_devices, owner_sum)  # As default_config.
   for (tile_m, tile_n, wg), steps, recv_stages, minor, width, eager, comm, out_slots in (
       itertools.product(_SEARCH_TILES, (2, 3, 4, 5), (1, 2, 4),
                         (MatmulDimension.N, MatmulDimension.M), (1, 4), (0, 1),
