@@ -161,6 +161,15 @@ def assert_close(out, ref, *, tol: float, name: str = "") -> None:
         f"(index, out, ref): {first}")
 
 
+def assert_same_bits(want, got, name="") -> None:
+  """Asserts two bf16 arrays equal bit for bit; on failure reports how many elements differ
+  and the first flat indices."""
+  want, got = np.asarray(want), np.asarray(got)
+  assert want.shape == got.shape, (name, want.shape, got.shape)
+  mismatch = np.flatnonzero(want.view(np.uint16) != got.view(np.uint16))
+  assert mismatch.size == 0, (name, mismatch.size, mismatch[:8])
+
+
 REPO = Path(__file__).resolve().parents[1]
 
 _STAND_IN_DRIVER = """

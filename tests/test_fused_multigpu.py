@@ -76,8 +76,7 @@ def test_tma_add_bit_identical_over_nvlink(m, n, k):
     x, w = testing.put_operands(inputs, mesh, helpers.AXIS)
     want = helpers.per_device_shards(op(base)(x, w), mesh)
     got = helpers.per_device_shards(op(added)(x, w), mesh)
-    mismatch = np.flatnonzero(want.view(np.uint16) != got.view(np.uint16))
-    assert mismatch.size == 0, (call, mismatch.size, mismatch[:8])
+    helpers.assert_same_bits(want, got, call)
     unfused = helpers.per_device_shards(helpers.shard_mapped(functools.partial(
         pallas_rs.matmul_reduce_scatter, axis_name=helpers.AXIS, implementation="xla"),
         mesh)(x, w), mesh)
