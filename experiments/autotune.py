@@ -381,12 +381,34 @@ def multi_gpu_candidates(*, m: int, n: int, k_shard: int, d: int) -> list:
     # The challengers with the owner's TMA add where it runs (D = 2 in the ring's numerics:
     # the same bits, measured cheaper alone), the incumbent as it is.
     tma_add = True if config_lib.tma_add_runs(d, base.owner_sum) else None
-    return candidates.tile_variants(base, m=m, n=n, k_shard=k_shard, num_devices=d,
+    cfgs = candidates.tile_variants(base, m=m, n=n, k_shard=k_shard, num_devices=d,
                                     tma_add=tma_add)
-  if FLAGS.candidates == "owner":
-    return candidates.owner_variants(base, m=m, n=n, k_shard=k_shard, num_devices=d)
-  return candidates.comm_variants(base, m=m, n=n, k_shard=k_shard, num_devices=d,
-                                  pull=fused.remote_tma_loads_supported())
+  elif FLAGS.candidates == "owner":
+    cfgs = candidates.owner_variants(base, m=m, n=n, k_shard=k_shard, num_devices=d)
+  else:
+    cfgs = candidates.comm_variants(base, m=m, n=n, k_shard=k_shard, num_devices=d,
+                                    pull=fused.remote_tma_loads_supported())
+  if cfgs and all(c.comm_mode == "pull" and c.comm_ctas for c in cfgs):
+    # A pulling entry needs a fallback measured in the same run (_fallback): the incumbent's.
+    fallback = _table_fallback(m=m, n=n, k_shard=k_shard, d=d)
+    if fallback is not None:
+      cfgs.append(fallback)
+  return cfgs
+
+
+def _table_fallback(*, m: int, n: int, k_shard: int, d: int):
+  """The fallback config of the active table's entry for the shape (None without one)."""
+  from pallas_rs import platform  # pylint: disable=g-import-not-at-top
+  from pallas_rs import tuning  # pylint: disable=g-import-not-at-top
+  from pallas_rs.tuning import schema  # pylint: disable=g-import-not-at-top
+  key = tuning.make_key(m=m, n=n, k_shard=k_shard, dtype="bfloat16", num_devices=d,
+                        gpu_kind=platform.device_kind())
+  for entry in tuning.active_table()[0]["entries"]:
+    if (schema.entry_key(entry).normalized() == key.normalized()
+        and schema.entry_op(entry) == "matmul_rs"
+        and not schema.is_informational(entry)):
+      return schema.entry_fallback(entry)
+  return None
 
 
 def ag_problem(case, d: int) -> dict[str, int]:

@@ -9,9 +9,16 @@ then --stress_calls back-to-back calls with fresh inputs, alternating two shapes
 followed immediately by an unrelated XLA collective (psum), every output checked. With one
 GPU the same checks run through the loopback transport (D virtual ranks), labelled so.
 Rule: max relative error <= 1.1x the unfused path's.
+
+A kernel that hangs (a wait that never completes) would stall the call with nothing written:
+the JSON is rewritten before every case, naming the one running, and a case (or stress call)
+still running after --case_timeout_s dumps every thread's stack to stderr and exits (1).
+--variant checks one config family instead of the kernel's choice, e.g.
+  python experiments/multi_gpu_check.py --variant=t64x256_wm_noadd --m=2048 --nk=8192x8192
 """
 from __future__ import annotations
 
+import faulthandler
 import functools
 import json
 import os
@@ -39,12 +46,20 @@ from pallas_rs.bench import shapes
 from pallas_rs.bench import testing
 
 import bench_env  # pylint: disable=g-import-not-at-top,wrong-import-position  (experiments/)
+import config_variants  # pylint: disable=g-import-not-at-top,wrong-import-position  (experiments/)
 
 _OUT = flags.DEFINE_string("out", None, "JSON output path.")
 _STRESS = flags.DEFINE_integer("stress_calls", 1000, "Back-to-back calls in the stress run.")
 _MS = flags.DEFINE_list("m", ["512", "2048", "8192"], "Global m values for the correctness run.")
 _SCALE = flags.DEFINE_integer("scale", 1, "Divide the seed n and k by this (CPU tests of the "
                               "script itself use small shapes).")
+_NK = flags.DEFINE_list("nk", [], "Seed (n, k) pairs to check, as NxK before --scale (e.g. "
+                        "8192x8192); empty: all four.")
+_VARIANT = flags.DEFINE_string("variant", "", "A config_variants name applied to the kernel's "
+                               "default config of each shape (e.g. t64x256_wm_noadd); empty: "
+                               "the kernel's own choice.")
+_CASE_TIMEOUT = flags.DEFINE_integer("case_timeout_s", 300, "A case or stress call running "
+                                     "longer is taken for a hang: stacks to stderr, exit 1.")
 _AXIS = "tp"
 PAIRS = shapes.SEED_NK_PAIRS  # (n, k)
 
@@ -56,12 +71,22 @@ def environment() -> dict:
   return env
 
 
+def case_config(d: int, m: int, n: int, k: int):
+  """--variant applied to the kernel's default config for the shape; None without one."""
+  if not _VARIANT.value:
+    return None
+  from pallas_rs.kernel import config as config_lib  # pylint: disable=g-import-not-at-top
+  base = config_lib.default_config(m=m, n=n, k_shard=k // d, num_devices=d)
+  return config_variants.variant_config(base, _VARIANT.value)
+
+
 @functools.lru_cache(maxsize=None)
-def _sharded_fns(d: int):
+def _sharded_fns(d: int, config=None):
   mesh = jax.make_mesh((d,), (_AXIS,), devices=jax.devices()[:d])
   specs = dict(mesh=mesh, in_specs=(P(None, _AXIS), P(_AXIS, None)), out_specs=P(_AXIS, None),
                check_vma=False)
-  f = functools.partial(fused.fused_matmul_reduce_scatter, axis_name=_AXIS, num_devices=d)
+  f = functools.partial(fused.fused_matmul_reduce_scatter, axis_name=_AXIS, num_devices=d,
+                        config=config)
   u = functools.partial(reference.matmul_reduce_scatter, axis_name=_AXIS)
 
   def fused_then_collective(x, w):  # An unrelated XLA collective right after the kernel.
@@ -80,18 +105,28 @@ def _errors(out, base, x, w, d):
           reference.max_rel_error_on_device(base, ref))
 
 
-@functools.partial(jax.jit, static_argnums=2)
-def _loopback_pair(x, w, d):
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _loopback_pair(x, w, d, config=None):
   """Fused loopback and the unfused emulation on one GPU, from global x [m, k], w [k, n]."""
   m, n = x.shape[0], w.shape[1]
   xs, ws = testing.split_inputs(x, w, d)
-  return (fused.loopback_matmul_reduce_scatter(xs, ws).reshape(m, n),
+  return (fused.loopback_matmul_reduce_scatter(xs, ws, config=config).reshape(m, n),
           reference.loopback_matmul_reduce_scatter(xs, ws).reshape(m, n))
 
 
 def run_one(d, m, n, k, seed, mode):
+  """One checked call; a call still running after --case_timeout_s ends the process."""
+  faulthandler.dump_traceback_later(_CASE_TIMEOUT.value, exit=True)
+  try:
+    return _run_one(d, m, n, k, seed, mode)
+  finally:
+    faulthandler.cancel_dump_traceback_later()
+
+
+def _run_one(d, m, n, k, seed, mode):
+  config = case_config(d, m, n, k)
   if mode == "nvlink":
-    mesh, f, u = _sharded_fns(d)
+    mesh, f, u = _sharded_fns(d, config)
     x, w = testing.generate(seed, m, k, n, num_devices=d,
                             shardings=testing.row_parallel_shardings(mesh, _AXIS))
     out, total = f(x, w)
@@ -102,7 +137,7 @@ def run_one(d, m, n, k, seed, mode):
     x, w = jax.device_get(x), jax.device_get(w)
   else:  # One GPU: the same protocol with D virtual ranks.
     x, w = testing.generate(seed, m, k, n, num_devices=d)
-    out, base = _loopback_pair(x, w, d)
+    out, base = _loopback_pair(x, w, d, config)
   e_f, e_x = (float(e) for e in _errors(jnp.asarray(out), jnp.asarray(base), jnp.asarray(x),
                                         jnp.asarray(w), d))
   return dict(d=d, m=m, n=n, k=k, mode=mode, err_fused=e_f, err_unfused=e_x,
@@ -113,12 +148,25 @@ def main(_):
   num_gpus = len(jax.devices())
   mode = "nvlink" if num_gpus >= 2 else "loopback"
   ds = [d for d in (2, 4, 8) if d <= num_gpus] if mode == "nvlink" else [2, 4, 8]
-  pairs = [(n // _SCALE.value, k // _SCALE.value) for n, k in PAIRS]
-  rows = []
+  pairs = [(n, k) for n, k in PAIRS if not _NK.value or f"{n}x{k}" in _NK.value]
+  if not pairs:
+    raise app.UsageError(f"--nk={_NK.value} names none of the seed pairs {PAIRS}")
+  pairs = [(n // _SCALE.value, k // _SCALE.value) for n, k in pairs]
+  env = environment() if _OUT.value else None
+  rows, stress = [], None
+
+  def write(running=None):
+    """The JSON so far, before each case: a run cut short by a hang still names the case."""
+    if _OUT.value:
+      with open(_OUT.value, "w") as f:
+        json.dump(dict(env=env, variant=_VARIANT.value, correctness=rows, stress=stress,
+                       running=running), f, indent=1)
+
   for d in ds:
     for n, k in pairs:
       for m in map(int, _MS.value):
         t = time.time()
+        write(running=dict(d=d, m=m, n=n, k=k, mode=mode))
         try:
           r = run_one(d, m, n, k, seed=len(rows), mode=mode)
         except Exception as e:  # Recorded per case: one failure must not hide the others.
@@ -130,6 +178,7 @@ def main(_):
   shapes = [(512, 8192 // _SCALE.value, 8192 // _SCALE.value),
             (2048, 6144 // _SCALE.value, 16384 // _SCALE.value)]
   bad, worst, t = [], 0.0, time.time()
+  write(running=dict(check="stress", d=d, mode=mode, calls=_STRESS.value))
   for i in range(_STRESS.value):
     m, n, k = shapes[i % 2]
     r = run_one(d, m, n, k, seed=10_000 + i, mode=mode)
@@ -139,13 +188,11 @@ def main(_):
   stress = dict(check="stress", d=d, mode=mode, calls=_STRESS.value, shapes=shapes,
                 failures=len(bad), first_failures=bad[:5], worst_ratio=worst,
                 seconds=round(time.time() - t, 1))
+  write()
   print(json.dumps(stress), flush=True)
   print(f"\n{mode}: {sum(r['ok'] for r in rows)}/{len(rows)} correctness cases ok; "
         f"stress {stress['calls']} calls at D={d}: {stress['failures']} failures, "
         f"worst error ratio {worst:.3f}")
-  if _OUT.value:
-    with open(_OUT.value, "w") as f:
-      json.dump(dict(env=environment(), correctness=rows, stress=stress), f, indent=1)
   return 0 if all(r["ok"] for r in rows) and not bad else 1
 
 

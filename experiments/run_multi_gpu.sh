@@ -17,6 +17,7 @@
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh tiles    # M = 512/2048 (seed, proxy8): retune the CTA tile
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh owner    # D = 2, all 32 shapes: each entry with/without the TMA add
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh alone    # one GPU is enough: one rank's program alone
+#   OUT=/tmp/mg bash experiments/run_multi_gpu.sh stall    # each warpgroup split with/without the TMA add, hangs isolated
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_ALLOCATOR=default
 out=${OUT:-/tmp/mg}; mkdir -p "$out"
@@ -138,6 +139,16 @@ llama70b_o_proj_m512,llama70b_o_proj_m32768,mixtral8x22b_w2_m2048,llama70b_down_
       --names=llama70b_o_proj_m512,llama70b_down_proj_m512,mixtral8x22b_o_proj_m512,\
 mixtral8x22b_w2_m512,llama70b_o_proj_m2048,mixtral8x22b_o_proj_m2048 \
       --out="$out/timeline.json" 2>&1 | quiet | tail -20 ;;
-  *) echo "usage: $0 check|sweep|proxy8|ablate|probe|numerics|model|roofline|mesh2d|smallm|smallm_proxy8|timeline|tiles|owner|ag|alone" >&2
+  stall)
+    # The fifth session's stall (BUILD_NOTES): Llama o_proj's (n, k) at M = 512 / 2048 with the
+    # warpgroups split along M or N, each with and without the TMA add, then 20 stress calls;
+    # one process per variant, so a hang (stacks on stderr after 60 s) ends only its own.
+    for v in t64x256_wm_noadd t64x256_wm_tadd t128x128_wn_noadd t128x128_wn_tadd; do
+      echo "== $v"
+      timeout 170 python3 experiments/multi_gpu_check.py --variant=$v --m=512,2048 \
+        --nk=8192x8192 --stress_calls=20 --case_timeout_s=60 --out="$out/stall_$v.json" 2>&1 \
+        | quiet | tail -40
+    done ;;
+  *) echo "usage: $0 check|sweep|proxy8|ablate|probe|numerics|model|roofline|mesh2d|smallm|smallm_proxy8|timeline|tiles|owner|ag|alone|stall" >&2
      exit 2 ;;
 esac

@@ -185,7 +185,10 @@ def test_tma_add_bit_identical_to_the_owner_epilogue(m, n, k_shard, tiles):
   if tiles:
     base = dataclasses.replace(base, tile_m=tiles[0], tile_n=tiles[1], wg_dimension=tiles[2])
   base = config_lib.with_numerics(base, "unfused_order", d)
+  # The D = 2 default already adds by TMA: the reference is the same config without it.
   added = config_lib.fit_smem(dataclasses.replace(base, tma_add=True), d)
+  base = config_lib.fit_smem(dataclasses.replace(base, tma_add=False), d)
+  assert not base.tma_add and added.tma_add
   for cfg in (base, added):  # Both must run: a rejected config is a failure here, not a skip.
     fused.check_supported(m=m, k_shard=k_shard, n=n, dtype=jnp.bfloat16, num_devices=d,
                           config=cfg, loopback=True)

@@ -42,6 +42,8 @@ def test_variant_names(overlap_probe):
   assert (r.recv_stages, r.max_concurrent_steps, r.epi_tile_n) == (6, 2, 64) and r.fits_smem(2)
   tadd = overlap_probe.variant_config(base, "tadd")
   assert tadd.tma_add and tadd.numerics == "unfused_order" and tadd.fits_smem(2)
+  noadd = overlap_probe.variant_config(tadd, "t64x256_wm_noadd")
+  assert not noadd.tma_add and noadd.wg_dimension.name == "M" and noadd.fits_smem(2)
   with pytest.raises(ValueError, match="unknown variant token"):
     overlap_probe.variant_config(base, "x9")
 

@@ -715,6 +715,37 @@ def test_a_pull_entry_falls_back_to_its_measured_push_config(monkeypatch):
   assert _choose(8192, d=2, k_shard=4096, table=_table(entry)).config == pull
 
 
+def test_autotune_times_a_pulling_entrys_fallback_beside_it(monkeypatch):
+  # experiments/autotune.py's tiles / owner steps keep the incumbent's comm path: where every
+  # candidate pulls, the entry's fallback (a push config) is timed too, so that the new entry
+  # has a fallback measured in its own run (2026-12-01: the retune had dropped them).
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  import helpers  # pylint: disable=g-import-not-at-top
+  autotune = helpers.load_script("autotune")
+  try:
+    if not flags.FLAGS.is_parsed():
+      flags.FLAGS.mark_as_parsed()
+    monkeypatch.setattr(platform, "device_kind", lambda: H200)
+    monkeypatch.setattr(fused, "remote_tma_loads_supported", lambda: True)
+    base = config_lib.default_config(m=8192, n=N, k_shard=4096, num_devices=2)
+    push = dataclasses.replace(base, comm_ctas=0)
+    pull = dataclasses.replace(base, comm_ctas=4, comm_mode="pull")
+    entry = _entry(8192, d=2, k_shard=4096, cfg=pull)
+    entry["fallback"] = {"config": tuning.config_to_json(push), "times_us": [11.0]}
+    shape = dict(m=8192, n=N, k_shard=4096, d=2)
+    for step in ("owner", "tiles"):
+      flags.FLAGS.candidates = step  # The script's flags leave with it (forget_scripts).
+      with tuning.use_table(_table(entry)):
+        got = autotune.multi_gpu_candidates(**shape)
+      assert got[0] == pull and got[-1] == push
+      assert all(c.comm_mode == "pull" for c in got[:-1]), got
+    # An entry that does not pull gets no extra candidate.
+    with tuning.use_table(_table(_entry(8192, d=2, k_shard=4096, cfg=push))):
+      assert all(c.comm_ctas == 0 for c in autotune.multi_gpu_candidates(**shape))
+  finally:
+    helpers.forget_scripts("autotune")
+
+
 def test_fallbacks_are_measured_wins_and_validated():
   cfg = tuning.config_to_json(config_lib.Config())
   kw = dict(gpu_kind=H200, num_devices=2, m=512, n=1024, k_shard=512, fused_us=[9.0],
