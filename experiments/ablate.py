@@ -49,7 +49,8 @@ _CONFIGS = flags.DEFINE_list("configs", ["table"], "Config variants per shape "
                              "(config_variants.variant_config names; 'table' = as tuned).")
 
 VARIANTS = {"fused": (), "no_comm": ("comm",), "no_reduce": ("reduce",),
-            "neither": ("comm", "reduce"), "no_add": ("comm", "owner_add")}
+            "neither": ("comm", "reduce"), "no_add": ("comm", "owner_add"),
+            "no_owner_wait": ("owner_wait",)}
 _ABLATIONS = flags.DEFINE_list("ablations", ["fused", "no_comm", "no_reduce", "neither"],
                                f"Which of {list(VARIANTS)}.")
 

@@ -18,6 +18,7 @@
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh owner    # D = 2, all 32 shapes: each entry with/without the TMA add
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh alone    # one GPU is enough: one rank's program alone
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh stall    # each warpgroup split with/without the TMA add, hangs isolated
+#   OUT=/tmp/mg bash experiments/run_multi_gpu.sh stall_ablate  # the stalled config without the owner's wait / sum
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_ALLOCATOR=default
 out=${OUT:-/tmp/mg}; mkdir -p "$out"
@@ -143,12 +144,27 @@ mixtral8x22b_w2_m512,llama70b_o_proj_m2048,mixtral8x22b_o_proj_m2048 \
     # The fifth session's stall (BUILD_NOTES): Llama o_proj's (n, k) at M = 512 / 2048 with the
     # warpgroups split along M or N, each with and without the TMA add, then 20 stress calls;
     # one process per variant, so a hang (stacks on stderr after 60 s) ends only its own.
+    # The stack dump's top frames say whether a stalled call is compiling or running.
     for v in t64x256_wm_noadd t64x256_wm_tadd t128x128_wn_noadd t128x128_wn_tadd; do
       echo "== $v"
       timeout 170 python3 experiments/multi_gpu_check.py --variant=$v --m=512,2048 \
         --nk=8192x8192 --stress_calls=20 --case_timeout_s=60 --out="$out/stall_$v.json" 2>&1 \
-        | quiet | tail -40
+        | tee "$out/stall_$v.log" | quiet | grep -E '^\{|^nvlink|Timeout|File' | head -24
     done ;;
-  *) echo "usage: $0 check|sweep|proxy8|ablate|probe|numerics|model|roofline|mesh2d|smallm|smallm_proxy8|timeline|tiles|owner|ag|alone|stall" >&2
+  stall_ablate)
+    # Which wait stalls (after `stall`): the stalled config at Llama o_proj M = 2048 with the
+    # owner's wait or its sum (loads + adds) left out, one process each, ptxas register and
+    # spill counts beside the N split's.
+    for a in fused no_owner_wait no_reduce; do
+      for v in t64x256_wm_noadd t128x128_wn_noadd; do
+        echo "== $v $a"
+        MOSAIC_GPU_DUMP_PTXAS=1 timeout 110 python3 experiments/ablate.py \
+          --names=llama70b_o_proj_m2048 --configs=$v --ablations=$a --iterations=5 \
+          --out="$out/stall_ablate_${v}_$a.json" 2>&1 | tee "$out/stall_ablate_${v}_$a.log" \
+          | grep -E 'registers|spill|llama70b|Timeout|rror' | head -12
+        echo "rc=${PIPESTATUS[0]}"
+      done
+    done ;;
+  *) echo "usage: $0 check|sweep|proxy8|ablate|probe|numerics|model|roofline|mesh2d|smallm|smallm_proxy8|timeline|tiles|owner|ag|alone|stall|stall_ablate" >&2
      exit 2 ;;
 esac
