@@ -113,6 +113,7 @@ def main(argv):
   from pallas_rs.bench import shapes  # pylint: disable=g-import-not-at-top
   from pallas_rs.bench import testing  # pylint: disable=g-import-not-at-top
   from pallas_rs.kernel import fused  # pylint: disable=g-import-not-at-top
+  from pallas_rs.kernel import schedule  # pylint: disable=g-import-not-at-top
 
   gpus = jax.devices()
   if gpus[0].platform != "gpu":
@@ -141,8 +142,8 @@ def main(argv):
     base = tuned_config(m=m, k_shard=k_shard, n=n, dtype=args[0].dtype, num_devices=d)
     for cname in _CONFIGS.value:
       cfg = variant_config(base, cname)
-      group = cfg.chunk_group(m, d)  # pairs: one tile over two 64-row chunks
-      tiles = d // group * (group * (m // d) // cfg.cta_tile_m) * (n // cfg.cta_tile_n)
+      tiles = schedule.total_tiles(m // d, n, cfg.cta_tile_m, cfg.cta_tile_n, d,
+                                   cfg.chunk_group(m, d))
       # Loopback: the D ranks share the grid, num_sms // D CTAs each.
       ctas = (cfg.num_sms if transport != "loopback" else cfg.num_sms // d) - cfg.comm_ctas
       per_cta = -(-tiles // ctas)

@@ -280,6 +280,15 @@ def test_pairs_walk_every_chunk_once_own_pair_last():
     assert all(schedule.wg_dst(r, s, 0, d, 1) == (r + s + 1) % d for s in range(d))
 
 
+def test_tile_counts_of_a_walk():
+  # D = 2, M = 2048, 128 x 256 CTA tiles: 8 x 32 per 1024-row chunk, 2 steps.
+  assert schedule.tile_grid(1024, 8192, 128, 256) == (8, 32)
+  assert schedule.total_tiles(1024, 8192, 128, 256, 2) == 512
+  # Pairs (D = 8, M = 512): one 128-row tile over two 64-row chunks, 4 pair steps.
+  assert schedule.tile_grid(64, 8192, 128, 256, group=2) == (1, 32)
+  assert schedule.total_tiles(64, 8192, 128, 256, 8, group=2) == 4 * 32
+
+
 def test_pairs_remote_half_beside_the_own_chunk_announces_before_the_own_half_waits():
   # body.deferred: deferred to the CTA's next tile, whose mainloop needs the own warpgroup
   # (stuck in its owner wait), that signal would leave partners waiting in a cycle.

@@ -114,7 +114,7 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
   group = config.chunk_group(m, d)
   pairs = group == 2
   steps = schedule.num_steps(d, group)
-  m_iters, n_iters = group * chunk // cta_tile_m, n // cta_tile_n
+  m_iters, n_iters = schedule.tile_grid(chunk, n, cta_tile_m, cta_tile_n, group)
   tiles = m_iters * n_iters
   k_iters = k_shard // tile_k
   num_out_slots = config.num_out_slots

@@ -368,7 +368,7 @@ def _default_tiles(chunk: int, n: int, num_devices: int, num_sms: int):
     group = schedule.chunk_group(chunk, tile_m, wg == MatmulDimension.M, num_devices)
     if group * chunk % cta_m or n % cta_n:
       continue
-    tiles = num_devices // group * (group * chunk // cta_m) * (n // cta_n)
+    tiles = schedule.total_tiles(chunk, n, cta_m, cta_n, num_devices, group)
     cost = -(-tiles // num_sms) * cta_m * cta_n * slowdown
     if best is None or cost < best[0]:
       best = (cost, (tile_m, tile_n, wg))

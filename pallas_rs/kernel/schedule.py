@@ -97,6 +97,19 @@ def num_steps(num_devices: int, group: int = 1) -> int:
   return num_devices // group
 
 
+def tile_grid(chunk: int, n: int, cta_m: int, cta_n: int, group: int = 1) -> tuple[int, int]:
+  """(row blocks, column blocks) of CTA tiles over one step's rows (a chunk, or `group`
+  chunks: pairs) and n columns."""
+  return group * chunk // cta_m, n // cta_n
+
+
+def total_tiles(chunk: int, n: int, cta_m: int, cta_n: int, num_devices: int,
+                group: int = 1) -> int:
+  """Linear tiles of a rank's walk: num_steps x one step's tile_grid."""
+  m_iters, n_iters = tile_grid(chunk, n, cta_m, cta_n, group)
+  return num_steps(num_devices, group) * m_iters * n_iters
+
+
 def wg_dst(rank: Any, step: Any, wg: Any, num_devices: int, group: int = 1) -> Any:
   """Destination rank of warpgroup `wg`'s tile at `step`: chunk group (rank // g + step + 1)
   mod D / g (the stagger), and in it the warpgroup's own chunk (g = 2) or the group's one
