@@ -142,15 +142,21 @@ mixtral8x22b_w2_m512,llama70b_o_proj_m2048,mixtral8x22b_o_proj_m2048 \
       --out="$out/timeline.json" 2>&1 | quiet | tail -20 ;;
   stall)
     # The fifth session's stall (BUILD_NOTES): Llama o_proj's (n, k) at M = 512 / 2048 with the
-    # warpgroups split along M or N, each with and without the TMA add, then 20 stress calls;
+    # warpgroups split along M or N, each with and without the TMA add, then 10 stress calls;
     # one process per variant, so a hang (stacks on stderr after 60 s) ends only its own.
     # The stack dump's top frames say whether a stalled call is compiling or running.
     for v in t64x256_wm_noadd t64x256_wm_tadd t128x128_wn_noadd t128x128_wn_tadd; do
       echo "== $v"
-      timeout 170 python3 experiments/multi_gpu_check.py --variant=$v --m=512,2048 \
-        --nk=8192x8192 --stress_calls=20 --case_timeout_s=60 --out="$out/stall_$v.json" 2>&1 \
+      timeout 140 python3 experiments/multi_gpu_check.py --variant=$v --m=512,2048 \
+        --nk=8192x8192 --stress_calls=10 --case_timeout_s=60 --out="$out/stall_$v.json" 2>&1 \
         | tee "$out/stall_$v.log" | quiet | grep -E '^\{|^nvlink|Timeout|File' | head -24
-    done ;;
+    done
+    # The same family in loopback on one GPU (D = 2, 4, 8 virtual ranks, the M = 2048 shape).
+    echo "== loopback t64x256_wm_noadd"
+    CUDA_VISIBLE_DEVICES=0 timeout 150 python3 experiments/multi_gpu_check.py \
+      --variant=t64x256_wm_noadd --m=2048 --nk=8192x8192 --stress_calls=4 --case_timeout_s=60 \
+      --out="$out/stall_loopback.json" 2>&1 | tee "$out/stall_loopback.log" | quiet \
+      | grep -E '^\{|^loopback|Timeout|File' | head -16 ;;
   stall_ablate)
     # Which wait stalls (after `stall`): the stalled config at Llama o_proj M = 2048 with the
     # owner's wait or its sum (loads + adds) left out, one process each, ptxas register and
