@@ -164,7 +164,7 @@ mixtral8x22b_w2_m512,llama70b_o_proj_m2048,mixtral8x22b_o_proj_m2048 \
     for a in fused no_owner_wait no_reduce; do
       for v in t64x256_wm_noadd t128x128_wn_noadd; do
         echo "== $v $a"
-        MOSAIC_GPU_DUMP_PTXAS=1 timeout 110 python3 experiments/ablate.py \
+        MOSAIC_GPU_DUMP_PTXAS=1 timeout 90 python3 experiments/ablate.py \
           --names=llama70b_o_proj_m2048 --configs=$v --ablations=$a --iterations=5 \
           --out="$out/stall_ablate_${v}_$a.json" 2>&1 | tee "$out/stall_ablate_${v}_$a.log" \
           | grep -E 'registers|spill|llama70b|Timeout|rror' | head -12
