@@ -334,16 +334,14 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
                 for o in range(1, d):
                   @pl.when(offset == o)
                   def _():
-                    if tma_add and not num_comm:  # Into the owner's output, to add onto.
-                      dst = transport.peer(out_all, rank, o) if comm_on else out_gmem
+                    if not num_comm:
+                      # Into the owner's output to add onto (tma_add), else its receive slot;
+                      # this rank's own buffer under the "comm" ablation.
+                      whole, local = (out_all, out_gmem) if tma_add else (recv_gmem, recv_local)
+                      dst = transport.peer(whole, rank, o) if comm_on else local
+                      if not tma_add:
+                        dst = dst.at[schedule.recv_slot(o - 1)]
                       store_tile(subs, send_smem, dst.at[slices])
-                    elif not num_comm:
-                      if not comm_on:
-                        dst_recv = recv_local
-                      else:
-                        dst_recv = transport.peer(recv_gmem, rank, o)
-                      store_tile(subs, send_smem,
-                                 dst_recv.at[schedule.recv_slot(o - 1)].at[slices])
                     def announce_now(o=o):
                       plgpu.wait_smem_to_gmem(0, wait_read_only=False)
                       announce(o, tile)
