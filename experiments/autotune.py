@@ -400,15 +400,10 @@ def _table_fallback(*, m: int, n: int, k_shard: int, d: int):
   """The fallback config of the active table's entry for the shape (None without one)."""
   from pallas_rs import platform  # pylint: disable=g-import-not-at-top
   from pallas_rs import tuning  # pylint: disable=g-import-not-at-top
-  from pallas_rs.tuning import schema  # pylint: disable=g-import-not-at-top
-  key = tuning.make_key(m=m, n=n, k_shard=k_shard, dtype="bfloat16", num_devices=d,
-                        gpu_kind=platform.device_kind())
-  for entry in tuning.active_table()[0]["entries"]:
-    if (schema.entry_key(entry).normalized() == key.normalized()
-        and schema.entry_op(entry) == "matmul_rs"
-        and not schema.is_informational(entry)):
-      return schema.entry_fallback(entry)
-  return None
+  entry = tuning.exact_entry(tuning.make_key(
+      m=m, n=n, k_shard=k_shard, dtype="bfloat16", num_devices=d,
+      gpu_kind=platform.device_kind()), op="matmul_rs")
+  return None if entry is None else tuning.entry_fallback(entry)
 
 
 def ag_problem(case, d: int) -> dict[str, int]:

@@ -235,6 +235,23 @@ def make_key(*, m: int, n: int, k_shard: int, dtype, num_devices: int, gpu_kind:
   return Key(str(gpu_kind), int(num_devices), int(m), int(n), int(k_shard), dtype)
 
 
+def _gating(table: Mapping[str, Any], op: str) -> list[dict]:
+  """The table's entries that decide for `op` (measurements, not informational records)."""
+  return [e for e in table["entries"] if not is_informational(e) and entry_op(e) == op]
+
+
+def _exact(entries, key: Key) -> dict | None:
+  nkey = key.normalized()
+  return next((e for e in entries if entry_key(e).normalized() == nkey), None)
+
+
+def exact_entry(key: Key, *, op: str = DEFAULT_OP,
+                table: Mapping[str, Any] | None = None) -> dict | None:
+  """The active (or given) table's measured entry for exactly `key` (`make_key`), or None:
+  the one `select` decides by first."""
+  return _exact(_gating(active_table(table)[0], op), key)
+
+
 def select(key: Key, *, default: Any, fits: Callable[[Any], str | None],
            op: str = DEFAULT_OP, table: Mapping[str, Any] | None = None) -> Decision:
   """The table's decision for a shape the kernel supports (module doc: (a), (b), (c)).
@@ -256,7 +273,7 @@ def select(key: Key, *, default: Any, fits: Callable[[Any], str | None],
   """
   tbl, where = active_table(table)
   nkey = key.normalized()
-  gating = [e for e in tbl["entries"] if not is_informational(e) and entry_op(e) == op]
+  gating = _gating(tbl, op)
 
   def config_of(entry):
     cfg = entry_config(entry)
@@ -267,9 +284,8 @@ def select(key: Key, *, default: Any, fits: Callable[[Any], str | None],
 
   notes = []
   # (a) exact entry.
-  for entry in gating:
-    if entry_key(entry).normalized() != nkey:
-      continue
+  entry = _exact(gating, key)
+  if entry is not None:
     cfg = config_of(entry)
     why = f"measured {tuple(key)} ({where}): {_evidence(entry)}"
     if entry["implementation"] == "xla":
@@ -283,7 +299,6 @@ def select(key: Key, *, default: Any, fits: Callable[[Any], str | None],
       return Decision("fused", fallback, "table",
                       f"{why}; its config cannot run here ({bad}): the entry's fallback, "
                       f"median {np.median(entry['fallback']['times_us']):.1f} us")
-    break
   # (b) nearest measured m with the same (op, gpu_kind, D, n, k_shard, dtype).
   near = [e for e in gating
           if entry_key(e).normalized()._replace(m=key.m) == nkey and e["key"]["m"] != key.m]
