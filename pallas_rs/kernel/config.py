@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import itertools
-from typing import Iterator
 
 from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu
 
@@ -305,7 +303,7 @@ def with_partial_dtype(cfg: Config, partial_dtype: str, num_devices: int) -> Con
   """`cfg` sending `partial_dtype` partials (fp32 owner sum, no tma_add): the epilogue sub-tile
   narrowed, the pipeline shortened as far as needed to fit SMEM (the caller checks the shape)."""
   cfg = dataclasses.replace(cfg, partial_dtype=partial_dtype, owner_sum="fp32", tma_add=False,
-                            epi_tile_n=_epi_tile_n(cfg.tile_n, partial_dtype))
+                            epi_tile_n=epi_tile_n_for(cfg.tile_n, partial_dtype))
   return fit_smem(cfg, num_devices)
 
 
@@ -316,7 +314,7 @@ def with_numerics(cfg: Config, mode: str, num_devices: int) -> Config:
     raise ValueError(f"numerics mode {mode!r} must be one of {tuple(NUMERICS_MODES)}")
   partial_dtype, owner_sum = NUMERICS_MODES[mode]
   return fit_smem(dataclasses.replace(cfg, partial_dtype=partial_dtype, owner_sum=owner_sum,
-                                      epi_tile_n=_epi_tile_n(cfg.tile_n, partial_dtype),
+                                      epi_tile_n=epi_tile_n_for(cfg.tile_n, partial_dtype),
                                       tma_add=cfg.tma_add and owner_sum == "bf16_ring"),
                   num_devices)
 
@@ -332,8 +330,9 @@ def fit_smem(cfg: Config, num_devices: int) -> Config:
   return cfg
 
 
-def _epi_tile_n(tile_n: int, partial_dtype: str) -> int:
-  # fp32 sub-tiles of 64 x 32 take the SMEM of bf16 64 x 64 ones.
+def epi_tile_n_for(tile_n: int, partial_dtype: str) -> int:
+  """Epilogue sub-tile columns for `partial_dtype` partials (also the tuner's search space):
+  fp32 sub-tiles of 64 x 32 take the SMEM of bf16 64 x 64 ones."""
   return min(32 if partial_dtype == "float32" else 64, tile_n)
 
 
@@ -404,46 +403,9 @@ def default_config(*, m: int, n: int, k_shard: int, num_devices: int,
   tile_m, tile_n, wg = tiles
   partial_dtype, owner_sum = NUMERICS_MODES[default_numerics(num_devices)]
   cfg = Config(tile_m=tile_m, tile_n=tile_n, tile_k=tile_k, epi_tile_m=64,
-               epi_tile_n=_epi_tile_n(tile_n, partial_dtype), wg_dimension=wg, num_sms=num_sms,
+               epi_tile_n=epi_tile_n_for(tile_n, partial_dtype), wg_dimension=wg, num_sms=num_sms,
                partial_dtype=partial_dtype, owner_sum=owner_sum)
   cfg = _largest_steps(cfg, num_devices)
   cfg = dataclasses.replace(cfg, tma_add=tma_add_runs(num_devices, owner_sum))  # steps as measured
   cfg.check_shape(m=m, n=n, k_shard=k_shard, num_devices=num_devices)
   return cfg
-
-
-# Warpgroup tiles (tile_m, tile_n, wg_dimension) of search_space: the N split's 64/128 x 64/128
-# and the M split's 128 x 128/192/256 and 256 x 128 CTA tiles.
-_SEARCH_TILES = tuple((tm, tn, MatmulDimension.N) for tm in (64, 128) for tn in (64, 128)) + (
-    (64, 128, MatmulDimension.M), (64, 192, MatmulDimension.M), (64, 256, MatmulDimension.M),
-    (128, 128, MatmulDimension.M))
-
-
-def search_space(*, m: int, n: int, k_shard: int, num_devices: int,
-                 num_sms: int = DEFAULT_NUM_SMS) -> Iterator[Config]:
-  """Every config the tuner may try for this shape: valid and within the SMEM limit.
-
-  Comm CTAs push here; the pulling ones (faster per comm CTA, jax >= 0.11.2 on devices) are
-  tried around a tuned config by candidates.comm_variants (autotune.py --candidates=comm)."""
-  # Fixed per D by the error rule (default_numerics), not tuned.
-  partial_dtype, owner_sum = NUMERICS_MODES[default_numerics(num_devices)]
-  tma_add = tma_add_runs(num_devices, owner_sum)  # As default_config.
-  for (tile_m, tile_n, wg), steps, recv_stages, minor, width, eager, comm, out_slots in (
-      itertools.product(_SEARCH_TILES, (2, 3, 4, 5), (1, 2, 4),
-                        (MatmulDimension.N, MatmulDimension.M), (1, 4), (0, 1),
-                        (0, 1, 2, 4, 8), (0, 8))):
-    if num_devices == 1 and (recv_stages != 1 or eager or comm or out_slots):
-      continue
-    if tma_add and recv_stages != 2:  # (they allocate nothing: the same kernel)
-      continue
-    cfg = Config(tile_m=tile_m, tile_n=tile_n, tile_k=64, max_concurrent_steps=steps,
-                 epi_tile_m=64, epi_tile_n=_epi_tile_n(tile_n, partial_dtype), wg_dimension=wg,
-                 recv_stages=recv_stages, grid_minor_dim=minor, grid_tile_width=width,
-                 num_sms=num_sms, eager_signal_steps=eager, comm_ctas=comm,
-                 out_slots=out_slots, partial_dtype=partial_dtype, owner_sum=owner_sum,
-                 tma_add=tma_add)
-    try:
-      cfg.check_shape(m=m, n=n, k_shard=k_shard, num_devices=num_devices)
-    except NotImplementedError:
-      continue
-    yield cfg
