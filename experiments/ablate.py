@@ -50,7 +50,7 @@ _CONFIGS = flags.DEFINE_list("configs", ["table"], "Config variants per shape "
 
 VARIANTS = {"fused": (), "no_comm": ("comm",), "no_reduce": ("reduce",),
             "neither": ("comm", "reduce"), "no_add": ("comm", "owner_add"),
-            "no_owner_wait": ("owner_wait",)}
+            "no_owner_wait": ("owner_wait",), "no_hand_off": ("comm", "reduce", "hand_off")}
 _ABLATIONS = flags.DEFINE_list("ablations", ["fused", "no_comm", "no_reduce", "neither"],
                                f"Which of {list(VARIANTS)}.")
 

@@ -19,6 +19,7 @@
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh alone    # one GPU is enough: one rank's program alone
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh stall    # each warpgroup split with/without the TMA add, hangs isolated
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh stall_ablate  # the stalled config without the owner's wait / sum
+#   OUT=/tmp/mg bash experiments/run_multi_gpu.sh stall_loopback  # one GPU: its code dumped, loopback D = 2/4/8
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_ALLOCATOR=default
 out=${OUT:-/tmp/mg}; mkdir -p "$out"
@@ -171,6 +172,26 @@ mixtral8x22b_w2_m512,llama70b_o_proj_m2048,mixtral8x22b_o_proj_m2048 \
         echo "rc=${PIPESTATUS[0]}"
       done
     done ;;
-  *) echo "usage: $0 check|sweep|proxy8|ablate|probe|numerics|model|roofline|mesh2d|smallm|smallm_proxy8|timeline|tiles|owner|ag|alone|stall|stall_ablate" >&2
+  stall_loopback)
+    # One GPU (when no x2 is lent): the stalled family's compiled code (PTX, SASS, ptxas
+    # counts under $out/dump_*) in the loopback at D = 2 beside the N split's and the TMA add's,
+    # then the M split without the add checked in loopback at D = 2, 4, 8 (the N split as the
+    # control), each in its own process with the hang watchdog.
+    for v in t64x256_wm_noadd t128x128_wn_noadd t64x256_wm_tadd; do
+      mkdir -p "$out/dump_$v"
+      MOSAIC_GPU_DUMP_TO="$out/dump_$v" MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_SASS=1 \
+        MOSAIC_GPU_DUMP_PTX=1 timeout 90 python3 experiments/ablate.py --num_devices=2 \
+        --names=llama70b_o_proj_m2048 --configs=$v --ablations=fused --iterations=5 \
+        --out="$out/stall_dump_$v.json" > "$out/stall_dump_$v.log" 2>&1
+      echo "== dump $v rc=$?"; grep -E 'registers|spill' "$out/stall_dump_$v.log" | sort | uniq -c | head -6
+    done
+    for v in t64x256_wm_noadd t128x128_wn_noadd; do
+      echo "== loopback $v"
+      timeout 170 python3 experiments/multi_gpu_check.py --variant=$v --m=512,2048 \
+        --nk=8192x8192 --stress_calls=4 --case_timeout_s=60 --out="$out/stall_loopback_$v.json" \
+        2>&1 | tee "$out/stall_loopback_$v.log" | quiet | grep -E '^\{|^loopback|Timeout|File' \
+        | cut -c1-200 | head -12
+    done ;;
+  *) echo "usage: $0 check|sweep|proxy8|ablate|probe|numerics|model|roofline|mesh2d|smallm|smallm_proxy8|timeline|tiles|owner|ag|alone|stall|stall_ablate|stall_loopback" >&2
      exit 2 ;;
 esac

@@ -243,3 +243,34 @@ def test_pairs_back_to_back_calls():
         _unfused_ring(xs, ws), ref), call
     if call % 10 == 0:
       helpers.assert_same_bits(out, f(xs, ws), call)
+
+
+# The split K (Config.split_k = 2, docs/design.md section 3.6): a tile's second K half hands
+# its f32 partial to the first half's CTA through a local buffer. The fp32 sum runs in another
+# order than split_k = 1's, so: the error rule on fresh inputs, and the same inputs twice bit
+# for bit (a partial read before it landed moves the bits). D = 1 (local_matmul), loopback
+# D = 2 with and without the TMA add and with the M split's 128 x 192, and D = 4 (33 CTAs a
+# rank: a tile's two halves on the last CTA of one round and the first of the next).
+@pytest.mark.parametrize("d,m,n,k_shard,fields", [
+    (1, 512, 2048, 1024, {}), (2, 512, 8192, 4096, {}), (2, 512, 2048, 1024, {"tma_add": False}),
+    (2, 1024, 1536, 1024, {"tile_m": 64, "tile_n": 192, "wg_dimension": _WG_M}),
+    (4, 512, 1024, 1024, {})])
+def test_split_k(d, m, n, k_shard, fields):
+  base = config_lib.default_config(m=m, n=n, k_shard=k_shard, num_devices=d)
+  cfg = config_lib.fit_smem(dataclasses.replace(base, split_k=2, **fields), max(d, 2))
+  fused.check_supported(m=m, k_shard=k_shard, n=n, dtype=jnp.bfloat16, num_devices=d,
+                        config=cfg, loopback=d > 1)
+  if d == 1:
+    f = jax.jit(lambda xs, ws: fused.local_matmul(xs[0], ws[0], config=cfg)[None])
+    unfused = lambda xs, ws: jnp.dot(xs[0], ws[0], preferred_element_type=jnp.float32).astype(
+        jnp.bfloat16)[None]
+  else:
+    f = jax.jit(functools.partial(fused.loopback_matmul_reduce_scatter, config=cfg))
+    unfused = _unfused_ring if cfg.owner_sum == "bf16_ring" else _unfused
+  for call in range(3):
+    xs, ws = testing.stacked_inputs(13000 + 10 * d + call, d, m, k_shard, n)
+    got = np.asarray(f(xs, ws))
+    helpers.assert_same_bits(f(xs, ws), got, call)
+    ref = testing.stacked_reference(xs, ws)
+    assert reference.max_rel_error(got, ref) <= 1.1 * reference.max_rel_error(
+        unfused(xs, ws), ref), call

@@ -15,6 +15,7 @@ import pytest
 import helpers
 from pallas_rs.kernel import config as config_lib
 from pallas_rs.kernel import fused
+from pallas_rs.tuning import candidates
 from pallas_rs.bench import shapes
 
 SEEDS = shapes.select(tags="seed")
@@ -199,7 +200,7 @@ def test_config_validation_messages():
 @pytest.mark.parametrize("case", SEEDS[::5], ids=lambda c: c.name)
 def test_every_search_space_config_fits(case):
   for d in (1, 8):
-    for cfg in config_lib.search_space(m=case.m, n=case.n, k_shard=case.k // 8, num_devices=d):
+    for cfg in candidates.search_space(m=case.m, n=case.n, k_shard=case.k // 8, num_devices=d):
       assert cfg.fits_smem(d), cfg
 
 

@@ -35,7 +35,7 @@ def _swizzled(block_minor_elems: int, dtype) -> tuple:
 
 
 ABLATIONS = frozenset({"comm", "reduce", "gemm", "stage_wait", "recv_store", "owner_wait",
-                       "comm_signal", "owner_add"})
+                       "comm_signal", "owner_add", "hand_off"})
 
 
 def _round(x, dtype):
@@ -67,7 +67,7 @@ def _strided_loop(start, stride, total, body):
   return count
 
 
-def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
+def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem=None, stage_gmem=None, split_gmem=None, *,
                 config: Config, num_devices: int, transport,
                 skip: frozenset[str] = frozenset()):
   """One rank's program.
@@ -76,7 +76,8 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
   recv [D - 1, m // D, n] (this rank's receive slots, partial_dtype; None when D == 1 or with
   tma_add, where the peer's partial lands in out),
   stage [D - 1, m // D, n] (partial_dtype; only with comm CTAs: this rank's peer tiles, waiting
-  to be pushed).
+  to be pushed), split [D, m // D, n] (f32; only with split_k = 2: each step's second K halves,
+  handed to the CTAs of the first).
 
   `skip` leaves stages out, for timing only (the output is then wrong): "comm" keeps every
   partial tile local (stored into this rank's own receive slots, or output with tma_add, or
@@ -90,7 +91,9 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
   alone); "owner_wait" drops the owner's wait for its partials (no CTA spins on the counters);
   "owner_add" keeps the owner's loads of the received partials but not its reads of them into
   registers and adds (which of the two its sum waits on); "comm_signal" (only with
-  "owner_wait") drops the comm CTAs' per-tile landed signals too, so that they only move data.
+  "owner_wait") drops the comm CTAs' per-tile landed signals too, so that they only move data;
+  "hand_off" (split_k > 1) drops the split's hand-off (no f32 partial stored, flagged, awaited
+  or added: what is left is the cost of twice the units).
   """
   assert skip <= ABLATIONS, skip
   assert "comm_signal" not in skip or "owner_wait" in skip, skip
@@ -99,8 +102,8 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
   d = num_devices
   rank = transport.rank()
   out_all = out_gmem  # Every rank's outputs (tma_add: the peer's is where a partial goes).
-  x_gmem, w_gmem, out_gmem, recv_local, stage_local = transport.bind(
-      rank, x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem)
+  x_gmem, w_gmem, out_gmem, recv_local, stage_local, split_local = transport.bind(
+      rank, x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem, split_gmem)
   dtype, out_dtype = x_gmem.dtype, out_gmem.dtype
   part_dtype = jnp.dtype(config.partial_dtype) if d > 1 else out_dtype
   m, k_shard = x_gmem.shape
@@ -116,7 +119,9 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
   steps = schedule.num_steps(d, group)
   m_iters, n_iters = schedule.tile_grid(chunk, n, cta_tile_m, cta_tile_n, group)
   tiles = m_iters * n_iters
-  k_iters = k_shard // tile_k
+  split = config.split_k
+  assert (split > 1) == (split_local is not None) and not (split > 1 and pairs), (split, pairs)
+  k_len = k_shard // split  # The K range of one unit (a tile, or half of one).
   num_out_slots = config.num_out_slots
   recv_stages = config.recv_stages
   num_comm = config.comm_ctas if d > 1 else 0
@@ -128,8 +133,8 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
   epi_transforms = _swizzled(epi_n, out_dtype)
   part_transforms = _swizzled(epi_n, part_dtype)
   pull = bool(num_comm) and config.comm_mode == "pull"
-  where = schedule.SemLayout(d, tiles, num_comm, pull)
-  sems = transport.semaphores(where.shape) if d > 1 else None
+  where = schedule.SemLayout(d, tiles, num_comm, pull, split_steps=steps if split > 1 else 0)
+  sems = transport.semaphores(where.shape) if d > 1 or split > 1 else None
   first_eager = schedule.first_eager_step(d, config.eager_signal_steps)
   ring = config.owner_sum == "bf16_ring" and d > 1
   slot_order = schedule.ring_slots(d) if ring else tuple(range(d - 1))
@@ -153,7 +158,7 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
   def get_pipeline(pipeline_body, compute_context):
     return plgpu.emit_pipeline_warp_specialized(
         pipeline_body,
-        grid=(k_iters,),
+        grid=(k_len // tile_k,),
         memory_registers=40,
         in_specs=[
             plgpu.BlockSpec((cta_tile_m, tile_k), lambda k: (0, k),
@@ -180,12 +185,17 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
   if d > 1 and part_dtype != out_dtype:
     scoped["send_smem"] = plgpu.SMEM((_NUM_COMPUTE_WGS, num_out_slots, epi_m, epi_n),
                                      part_dtype, transforms=part_transforms)
+  if split > 1:  # The hand-off's f32 sub-tiles: the second half's stores, the first's loads.
+    scoped["split_smem"] = plgpu.SMEM((_NUM_COMPUTE_WGS, recv_stages, epi_m, epi_n), jnp.float32,
+                                      transforms=_swizzled(epi_n, jnp.float32))
+    scoped["split_barrier"] = plgpu.Barrier(num_barriers=_NUM_COMPUTE_WGS * recv_stages)
 
   def compute_program(cta_index, num_compute):
     """The GEMM: CTA `cta_index` of `num_compute` walks linear tiles cta_index, +num_compute..."""
 
     @functools.partial(pl.run_scoped, collective_axes="wg", **scoped)
-    def _scope(pipeline_allocs, out_smem, part_smem=None, part_barrier=None, send_smem=None):
+    def _scope(pipeline_allocs, out_smem, part_smem=None, part_barrier=None, send_smem=None,
+               split_smem=None, split_barrier=None):
       wg_idx = lax.axis_index("wg")
       epi_tiles = [(mi, ni) for mi in range(tile_m // epi_m) for ni in range(tile_n // epi_n)]
       if send_smem is None:
@@ -210,10 +220,11 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
 
       def store_tile(subs, smem, dst_ref, add=False):
         """Epilogue sub-tiles `subs` (in epi_tiles order) -> dst_ref [tile_m, tile_n] through
-        the double-buffered SMEM slots of `smem`; `add`: TMA-added onto what dst_ref holds."""
+        the SMEM slots of `smem` [wg, slots, ...]; `add`: TMA-added onto what dst_ref holds."""
+        slots = smem.shape[1]
         for i, (mi, ni) in enumerate(epi_tiles):
-          slot = i % num_out_slots
-          plgpu.wait_smem_to_gmem(num_out_slots - 1, wait_read_only=True)
+          slot = i % slots
+          plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
           smem[wg_idx, slot] = subs[i]
           plgpu.commit_smem()
           plgpu.copy_smem_to_gmem(smem.at[wg_idx, slot], dst_ref.at[epi_slices(mi, ni)],
@@ -231,14 +242,28 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
             else:
               transport.wait(sems, rank, where.arrived(tile, wg_idx), d - 1)
 
-      def reduce_tile(acc, tile, slices):
+      def prefetched(srcs, stage, stages, consume):
+        """TMA-loads srcs[i] (GMEM sub-tiles) into the SMEM ring `stage(i)` = (slot, barrier),
+        `stages` ahead, and calls consume(i, slot) on each in order."""
+        def issue(i):
+          plgpu.copy_gmem_to_smem(srcs[i], *stage(i))
+
+        for i in range(min(stages, len(srcs))):
+          issue(i)
+        for i in range(len(srcs)):
+          slot, barrier = stage(i)
+          plgpu.barrier_wait(barrier)
+          consume(i, slot)
+          if i + stages < len(srcs):
+            plgpu.commit_smem()  # Every thread has read `slot` before TMA overwrites it.
+            issue(i + stages)
+
+      def reduce_tile(own_subs, tile, slices):
         """The own tile's sum of all D partials -> out_dtype sub-tiles (config.owner_sum):
-        "fp32": acc (f32) + the received partials in slot order, rounded once;
+        "fp32": the own f32 sub-tiles + the received partials in slot order, rounded once;
         "bf16_ring": the unfused path's arithmetic, schedule.ring_slots."""
         owner_wait(tile)
-        loads = [(mi, ni, j) for mi, ni in epi_tiles for j in slot_order]
-        if not reduce_on:
-          loads = []
+        loads = [(e, j) for e in range(len(epi_tiles)) for j in slot_order] if reduce_on else []
         # With pairs one warpgroup of the CTA (rank % 2's) sums and the other only sends, so
         # the summing one takes both warpgroups' receive stages: twice the loads in flight.
         stages = _NUM_COMPUTE_WGS * recv_stages if pairs else recv_stages
@@ -250,32 +275,43 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
             return part_smem.at[buf // recv_stages, buf % recv_stages], part_barrier.at[buf]
           return part_smem.at[wg_idx, buf], part_barrier.at[wg_idx * recv_stages + buf]
 
-        def issue(i):
-          mi, ni, j = loads[i]
-          sm, sn = epi_slices(mi, ni)
-          plgpu.copy_gmem_to_smem(recv_local.at[j].at[slices].at[sm, sn], *stage(i))
+        srcs = [recv_local.at[j].at[slices].at[epi_slices(*epi_tiles[e])] for e, j in loads]
+        sums = [[sub, None] for sub in own_subs]  # Per sub-tile: (own, run), _add_partial's.
 
-        for i in range(min(stages, len(loads))):
-          issue(i)
-        i = 0
-        summed = []
-        for mi, ni in epi_tiles:
-          sm, sn = epi_slices(mi, ni)
-          own = acc[sm, sn]
-          run = None  # bf16_ring: the running bf16 sum (held in f32)
-          for _ in range(len(loads) // len(epi_tiles)):
-            slot, barrier = stage(i)
-            plgpu.barrier_wait(barrier)
-            if "owner_add" not in skip:
-              part = slot[...].astype(jnp.float32)
-              own, run = _add_partial(own, run, part, ring=ring, out_dtype=out_dtype)
-            if i + stages < len(loads):
-              plgpu.commit_smem()  # Every thread has read `slot` before TMA overwrites it.
-              issue(i + stages)
-            i += 1
-          own = _finish_sum(own, run, ring=ring, out_dtype=out_dtype)
-          summed.append(own.astype(out_dtype))
-        return summed
+        def add(i, slot):
+          if "owner_add" not in skip:
+            e = loads[i][0]
+            sums[e] = _add_partial(*sums[e], slot[...].astype(jnp.float32), ring=ring,
+                                   out_dtype=out_dtype)
+
+        prefetched(srcs, stage, stages, add)
+        return [_finish_sum(own, run, ring=ring, out_dtype=out_dtype).astype(out_dtype)
+                for own, run in sums]
+
+      def hand_off(acc, step, tile, slices):
+        """A second K half: its f32 partial into the hand-off buffer, then flagged (landed)."""
+        with jax.named_scope("hand_off"):
+          store_tile([acc[epi_slices(mi, ni)] for mi, ni in epi_tiles], split_smem,
+                     split_local.at[step].at[slices])
+          plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+          transport.signal_local(sems, rank, where.handed(step, tile, wg_idx))
+
+      def add_handed(acc, step, tile, slices):
+        """A first K half: acc plus the second half's partial -> f32 sub-tiles (epi_tiles)."""
+        with jax.named_scope("handed_wait"):
+          transport.wait(sems, rank, where.handed(step, tile, wg_idx), 1, local=True)
+        srcs = [split_local.at[step].at[slices].at[epi_slices(mi, ni)] for mi, ni in epi_tiles]
+        subs = []
+
+        def stage(i):
+          buf = i % recv_stages
+          return split_smem.at[wg_idx, buf], split_barrier.at[wg_idx * recv_stages + buf]
+
+        def add(i, slot):
+          subs.append(acc[epi_slices(*epi_tiles[i])] + slot[...])
+
+        prefetched(srcs, stage, recv_stages, add)
+        return subs
 
       def deferred(step, offset):
         """Whether this warpgroup's tile at `step` (for the peer at `offset`) is announced at
@@ -284,15 +320,76 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
         lazy = (offset != 0) & (offset - 1 < first_eager)
         return lazy & (step != steps - 1) if pairs else lazy
 
-      def tile_body(lin_idx, local_step):
-        step, tile = schedule.step_and_tile(lin_idx, tiles)
+      def unit_of(unit):
+        """(step, tile, sums): the linear tile of walk unit `unit` and whether its CTA runs the
+        tile's epilogue (every unit; with the split, the first K half, which sent nothing
+        before that epilogue)."""
+        if split == 1:
+          return (*schedule.step_and_tile(unit, tiles), True)
+        return (*schedule.step_and_tile(unit // split, tiles), unit % split == 0)
+
+      def tile_body(unit, local_step):
+        step, tile, sums = unit_of(unit)
+        half = unit % split  # This unit's part of K (0 without the split).
         offset = schedule.wg_offset(rank, step, wg_idx, d, group)  # This warpgroup's peer.
         first_dst = schedule.wg_dst(rank, step, 0, d, group)  # The tile's first chunk.
         (m_idx, n_idx), slices = tile_slices(tile, wg_idx)
         cta_n_slice = pl.ds(n_idx * cta_tile_n, cta_tile_n)
+        k_slice = pl.ds(half * k_len, k_len) if split > 1 else slice(None)
         # This warpgroup's part of the CTA's x and w blocks.
         wg_x = pl.ds(wg_idx * tile_m, tile_m) if wg_m else slice(None)
         wg_w = slice(None) if wg_m else pl.ds(wg_idx * tile_n, tile_n)
+
+        def epilogue(acc_ref, f32_subs=None):
+          """The tile's epilogue from its f32 sub-tiles (None: the accumulator's)."""
+          def subs_as(dtype):
+            if f32_subs is None:
+              acc = acc_ref[...].astype(dtype)
+              return [acc[epi_slices(mi, ni)] for mi, ni in epi_tiles]
+            return [sub.astype(dtype) for sub in f32_subs]
+
+          is_own = offset == 0
+
+          @pl.when(is_own)
+          @jax.named_scope("own_epilogue")
+          def _own():
+            if d > 1 and not tma_add:
+              summed = reduce_tile(subs_as(jnp.float32), tile, slices)
+            else:
+              if tma_add:  # The ring's one rounded add, done by TMA: bf16(peer + bf16(own)).
+                owner_wait(tile)
+              summed = subs_as(out_dtype)
+            store_tile(summed, out_smem, out_gmem.at[slices], add=tma_add and reduce_on)
+
+          if d > 1:
+            @pl.when(jnp.logical_not(is_own))
+            @jax.named_scope("remote_epilogue")
+            def _remote():
+              subs = subs_as(part_dtype)
+              if num_comm:
+                # Local staging at HBM speed; the comm CTAs push it (comm_program).
+                store_tile(subs, send_smem, stage_local.at[step].at[slices])
+              for o in range(1, d):
+                @pl.when(offset == o)
+                def _():
+                  if not num_comm:
+                    # Into the owner's output to add onto (tma_add), else its receive slot;
+                    # this rank's own buffer under the "comm" ablation.
+                    whole, local = (out_all, out_gmem) if tma_add else (recv_gmem, recv_local)
+                    dst = transport.peer(whole, rank, o) if comm_on else local
+                    if not tma_add:
+                      dst = dst.at[schedule.recv_slot(o - 1)]
+                    store_tile(subs, send_smem, dst.at[slices])
+                  def announce_now(o=o):
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+                    announce(o, tile)
+
+                  # An eager slot (static: o - 1), or a pair's remote half beside the own
+                  # chunk, waits for its store and announces the tile now (deferred()).
+                  if comm_on and o - 1 >= first_eager:
+                    announce_now()
+                  elif comm_on and pairs:
+                    pl.when(step == steps - 1)(announce_now)
 
         def compute_context(eval_pipeline):
           @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
@@ -302,56 +399,24 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
             # The previous tile's stores had this tile's whole mainloop to land.
             plgpu.wait_smem_to_gmem(0, wait_read_only=False)
             if d > 1 and comm_on:
-              prev_step, prev_tile = schedule.step_and_tile(lin_idx - num_compute, tiles)
+              prev_step, prev_tile, prev_sums = unit_of(unit - num_compute)
               prev_offset = schedule.wg_offset(rank, prev_step, wg_idx, d, group)
-              @pl.when((local_step > 0) & deferred(prev_step, prev_offset))
+              @pl.when((local_step > 0) & deferred(prev_step, prev_offset) & prev_sums)
               def _():
                 announce(prev_offset, prev_tile)
 
-            is_own = offset == 0
+            if split == 1:
+              epilogue(acc_ref)
+            elif "hand_off" in skip:
+              pl.when(sums)(lambda: epilogue(acc_ref))
+            else:
+              @pl.when(jnp.logical_not(sums))
+              def _():
+                hand_off(acc_ref[...], step, tile, slices)
 
-            @pl.when(is_own)
-            @jax.named_scope("own_epilogue")
-            def _own():
-              if d > 1 and not tma_add:
-                summed = reduce_tile(acc_ref[...], tile, slices)
-              else:
-                if tma_add:  # The ring's one rounded add, done by TMA: bf16(peer + bf16(own)).
-                  owner_wait(tile)
-                acc = acc_ref[...].astype(out_dtype)
-                summed = [acc[epi_slices(mi, ni)] for mi, ni in epi_tiles]
-              store_tile(summed, out_smem, out_gmem.at[slices], add=tma_add and reduce_on)
-
-            if d > 1:
-              @pl.when(jnp.logical_not(is_own))
-              @jax.named_scope("remote_epilogue")
-              def _remote():
-                acc = acc_ref[...].astype(part_dtype)
-                subs = [acc[epi_slices(mi, ni)] for mi, ni in epi_tiles]
-                if num_comm:
-                  # Local staging at HBM speed; the comm CTAs push it (comm_program).
-                  store_tile(subs, send_smem, stage_local.at[step].at[slices])
-                for o in range(1, d):
-                  @pl.when(offset == o)
-                  def _():
-                    if not num_comm:
-                      # Into the owner's output to add onto (tma_add), else its receive slot;
-                      # this rank's own buffer under the "comm" ablation.
-                      whole, local = (out_all, out_gmem) if tma_add else (recv_gmem, recv_local)
-                      dst = transport.peer(whole, rank, o) if comm_on else local
-                      if not tma_add:
-                        dst = dst.at[schedule.recv_slot(o - 1)]
-                      store_tile(subs, send_smem, dst.at[slices])
-                    def announce_now(o=o):
-                      plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-                      announce(o, tile)
-
-                    # An eager slot (static: o - 1), or a pair's remote half beside the own
-                    # chunk, waits for its store and announces the tile now (deferred()).
-                    if comm_on and o - 1 >= first_eager:
-                      announce_now()
-                    elif comm_on and pairs:
-                      pl.when(step == steps - 1)(announce_now)
+              @pl.when(sums)
+              def _():
+                epilogue(acc_ref, add_handed(acc_ref[...], step, tile, slices))
 
         def mma_body(_, x_smem, w_smem, acc_ref):
           plgpu.wgmma(acc_ref, x_smem.at[wg_x], w_smem.at[:, wg_w])
@@ -364,20 +429,20 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
             compute_context(lambda acc_ref: None)  # The epilogue of a tile of zeros.
         else:
           get_pipeline(mma_body, compute_context)(
-              x_gmem.at[pl.ds(first_dst * chunk + m_idx * cta_tile_m, cta_tile_m), :],
-              w_gmem.at[:, cta_n_slice],
+              x_gmem.at[pl.ds(first_dst * chunk + m_idx * cta_tile_m, cta_tile_m), k_slice],
+              w_gmem.at[k_slice, cta_n_slice],
               allocations=pipeline_allocs,
           )
 
-      total = steps * tiles
+      total = steps * tiles * split
       count = _strided_loop(cta_index, num_compute, total, tile_body)
       # Announce this CTA's last tile if it went to a peer with a deferred signal.
       plgpu.wait_smem_to_gmem(0, wait_read_only=False)
       if d > 1 and comm_on:
-        last_step, last_tile = schedule.step_and_tile(cta_index + (count - 1) * num_compute,
-                                                      tiles)
+        last_step, last_tile, last_sums = unit_of(cta_index + (count - 1) * num_compute)
         last_offset = schedule.wg_offset(rank, last_step, wg_idx, d, group)
-        @pl.when((wg_idx < _NUM_COMPUTE_WGS) & (count > 0) & deferred(last_step, last_offset))
+        @pl.when((wg_idx < _NUM_COMPUTE_WGS) & (count > 0) & deferred(last_step, last_offset)
+                 & last_sums)
         def _():
           announce(last_offset, last_tile)
 

@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import itertools
-from typing import Iterator
 
 from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu
 
@@ -100,6 +98,12 @@ class Config:
     tma_add: the peer's partial lands in the owner's output (direct push or comm CTAs) and the
       owner TMA-adds its own bf16 partial onto it: the same bits, nothing loaded, no receive
       buffer (D = 2 with "bf16_ring" only: tma_add_runs; docs/design.md section 3.5).
+    split_k: CTAs per tile, each a contiguous 1/split_k of k_shard (1 or 2). With 2 the
+      walk's units are half tiles (the remote chunks' first, over all SMs): the second half
+      hands its f32 partial to the first's CTA through a local buffer and a GPU-scope
+      semaphore, and the first adds it before its epilogue, so at small M a rank's remote
+      tiles are done halfway through its single wave (docs/design.md section 3.6). Direct
+      push only, not with pairs; the hand-off is staged in `recv_stages` f32 sub-tiles.
   """
   tile_m: int = 128
   tile_n: int = 128
@@ -119,6 +123,7 @@ class Config:
   owner_sum: str = "fp32"
   comm_mode: str = "push"
   tma_add: bool = False
+  split_k: int = 1
 
   def __post_init__(self):
     tile_m, tile_n, tile_k = self.tile_m, self.tile_n, self.tile_k
@@ -163,6 +168,8 @@ class Config:
     if self.tma_add and self.owner_sum != "bf16_ring":
       raise ValueError(f"tma_add adds bf16 onto bf16; owner_sum={self.owner_sum!r} must be "
                        "'bf16_ring' (numerics mode 'unfused_order')")
+    if self.split_k not in (1, 2):
+      raise ValueError(f"split_k={self.split_k} must be 1 or 2")
     object.__setattr__(self, "grid_minor_dim", MatmulDimension(self.grid_minor_dim))
     object.__setattr__(self, "wg_dimension", MatmulDimension(self.wg_dimension))
 
@@ -223,6 +230,8 @@ class Config:
         total += 2 * self.num_out_slots * epi * self.partial_itemsize
       if not self.tma_add:  # The owner's receive prefetch stages.
         total += 2 * self.recv_stages * epi * self.partial_itemsize
+    if self.split_k > 1:  # The f32 hand-off's slots (stores or loads, never both at once).
+      total += 2 * self.recv_stages * epi * 4
     return total + SMEM_SLACK_BYTES
 
   def comm_smem_bytes(self) -> int:
@@ -258,8 +267,13 @@ class Config:
       raise NotImplementedError(
           f"{n=} is not a multiple of the CTA tile's {self.cta_tile_n} columns "
           f"(tile_n={self.tile_n}, wg_dimension={self.wg_dimension.name})")
-    if k_shard % self.tile_k:
-      raise NotImplementedError(f"{k_shard=} is not a multiple of tile_k={self.tile_k}")
+    if k_shard % (self.tile_k * self.split_k):
+      raise NotImplementedError(f"{k_shard=} is not a multiple of tile_k={self.tile_k} x "
+                                f"split_k={self.split_k}")
+    if self.split_k > 1 and (self.comm_ctas or self.chunk_group(m, num_devices) == 2):
+      raise NotImplementedError(
+          f"split_k={self.split_k} runs with the direct push and one chunk per CTA tile, got "
+          f"comm_ctas={self.comm_ctas}, chunk_group={self.chunk_group(m, num_devices)}")
     if not wg_split_aligned(self.tile_n, self.wg_dimension):
       raise NotImplementedError(
           f"tile_n={self.tile_n} with the warpgroups side by side along N must be a multiple "
@@ -305,7 +319,7 @@ def with_partial_dtype(cfg: Config, partial_dtype: str, num_devices: int) -> Con
   """`cfg` sending `partial_dtype` partials (fp32 owner sum, no tma_add): the epilogue sub-tile
   narrowed, the pipeline shortened as far as needed to fit SMEM (the caller checks the shape)."""
   cfg = dataclasses.replace(cfg, partial_dtype=partial_dtype, owner_sum="fp32", tma_add=False,
-                            epi_tile_n=_epi_tile_n(cfg.tile_n, partial_dtype))
+                            epi_tile_n=epi_tile_n_for(cfg.tile_n, partial_dtype))
   return fit_smem(cfg, num_devices)
 
 
@@ -316,7 +330,7 @@ def with_numerics(cfg: Config, mode: str, num_devices: int) -> Config:
     raise ValueError(f"numerics mode {mode!r} must be one of {tuple(NUMERICS_MODES)}")
   partial_dtype, owner_sum = NUMERICS_MODES[mode]
   return fit_smem(dataclasses.replace(cfg, partial_dtype=partial_dtype, owner_sum=owner_sum,
-                                      epi_tile_n=_epi_tile_n(cfg.tile_n, partial_dtype),
+                                      epi_tile_n=epi_tile_n_for(cfg.tile_n, partial_dtype),
                                       tma_add=cfg.tma_add and owner_sum == "bf16_ring"),
                   num_devices)
 
@@ -332,8 +346,9 @@ def fit_smem(cfg: Config, num_devices: int) -> Config:
   return cfg
 
 
-def _epi_tile_n(tile_n: int, partial_dtype: str) -> int:
-  # fp32 sub-tiles of 64 x 32 take the SMEM of bf16 64 x 64 ones.
+def epi_tile_n_for(tile_n: int, partial_dtype: str) -> int:
+  """Epilogue sub-tile columns for `partial_dtype` partials (also the tuner's search space):
+  fp32 sub-tiles of 64 x 32 take the SMEM of bf16 64 x 64 ones."""
   return min(32 if partial_dtype == "float32" else 64, tile_n)
 
 
@@ -404,46 +419,9 @@ def default_config(*, m: int, n: int, k_shard: int, num_devices: int,
   tile_m, tile_n, wg = tiles
   partial_dtype, owner_sum = NUMERICS_MODES[default_numerics(num_devices)]
   cfg = Config(tile_m=tile_m, tile_n=tile_n, tile_k=tile_k, epi_tile_m=64,
-               epi_tile_n=_epi_tile_n(tile_n, partial_dtype), wg_dimension=wg, num_sms=num_sms,
+               epi_tile_n=epi_tile_n_for(tile_n, partial_dtype), wg_dimension=wg, num_sms=num_sms,
                partial_dtype=partial_dtype, owner_sum=owner_sum)
   cfg = _largest_steps(cfg, num_devices)
   cfg = dataclasses.replace(cfg, tma_add=tma_add_runs(num_devices, owner_sum))  # steps as measured
   cfg.check_shape(m=m, n=n, k_shard=k_shard, num_devices=num_devices)
   return cfg
-
-
-# Warpgroup tiles (tile_m, tile_n, wg_dimension) of search_space: the N split's 64/128 x 64/128
-# and the M split's 128 x 128/192/256 and 256 x 128 CTA tiles.
-_SEARCH_TILES = tuple((tm, tn, MatmulDimension.N) for tm in (64, 128) for tn in (64, 128)) + (
-    (64, 128, MatmulDimension.M), (64, 192, MatmulDimension.M), (64, 256, MatmulDimension.M),
-    (128, 128, MatmulDimension.M))
-
-
-def search_space(*, m: int, n: int, k_shard: int, num_devices: int,
-                 num_sms: int = DEFAULT_NUM_SMS) -> Iterator[Config]:
-  """Every config the tuner may try for this shape: valid and within the SMEM limit.
-
-  Comm CTAs push here; the pulling ones (faster per comm CTA, jax >= 0.11.2 on devices) are
-  tried around a tuned config by candidates.comm_variants (autotune.py --candidates=comm)."""
-  # Fixed per D by the error rule (default_numerics), not tuned.
-  partial_dtype, owner_sum = NUMERICS_MODES[default_numerics(num_devices)]
-  tma_add = tma_add_runs(num_devices, owner_sum)  # As default_config.
-  for (tile_m, tile_n, wg), steps, recv_stages, minor, width, eager, comm, out_slots in (
-      itertools.product(_SEARCH_TILES, (2, 3, 4, 5), (1, 2, 4),
-                        (MatmulDimension.N, MatmulDimension.M), (1, 4), (0, 1),
-                        (0, 1, 2, 4, 8), (0, 8))):
-    if num_devices == 1 and (recv_stages != 1 or eager or comm or out_slots):
-      continue
-    if tma_add and recv_stages != 2:  # (they allocate nothing: the same kernel)
-      continue
-    cfg = Config(tile_m=tile_m, tile_n=tile_n, tile_k=64, max_concurrent_steps=steps,
-                 epi_tile_m=64, epi_tile_n=_epi_tile_n(tile_n, partial_dtype), wg_dimension=wg,
-                 recv_stages=recv_stages, grid_minor_dim=minor, grid_tile_width=width,
-                 num_sms=num_sms, eager_signal_steps=eager, comm_ctas=comm,
-                 out_slots=out_slots, partial_dtype=partial_dtype, owner_sum=owner_sum,
-                 tma_add=tma_add)
-    try:
-      cfg.check_shape(m=m, n=n, k_shard=k_shard, num_devices=num_devices)
-    except NotImplementedError:
-      continue
-    yield cfg

@@ -190,16 +190,21 @@ def _skip(ablate) -> frozenset[str]:
   return skip
 
 
-def _build(transport, *, out_type, config: Config, num_devices: int, name: str,
-           skip: frozenset[str] = frozenset()):
+def _build(transport, *, lead: tuple[int, ...], out_shape: tuple[int, int], dtype,
+           config: Config, num_devices: int, name: str, skip: frozenset[str] = frozenset()):
+  """The kernel: outputs out [*lead, *out_shape] (dtype), then `_extra_buffers`' (the body's
+  arguments of the same names)."""
   grid, grid_names = transport.grid(config.num_sms)
-  body = functools.partial(body_lib.kernel_body, config=config, num_devices=num_devices,
-                           transport=transport, skip=skip)
-  if num_devices == 1 or config.tma_add:
-    body = functools.partial(_no_recv, body)  # (tma_add: out, then stage with comm CTAs)
+  extra = _extra_buffers(lead, num_devices, out_shape[0], out_shape[1], config)
+  names = tuple(extra)
+
+  def body(x, w, out, *buffers):
+    body_lib.kernel_body(x, w, out, **dict(zip(names, buffers)), config=config,
+                         num_devices=num_devices, transport=transport, skip=skip)
+
   return plgpu.kernel(
       body,
-      out_type=out_type,
+      out_type=(jax.ShapeDtypeStruct((*lead, *out_shape), dtype), *extra.values()),
       grid=grid,
       grid_names=grid_names,
       cluster=(1,),
@@ -211,19 +216,25 @@ def _build(transport, *, out_type, config: Config, num_devices: int, name: str,
   )
 
 
-def _no_recv(body, x, w, out, stage=None):
-  body(x, w, out, None, stage)
-
-
-def _exchange_buffers(lead: tuple[int, ...], num_devices: int, chunk: int, n: int,
-                      config: Config) -> tuple[jax.ShapeDtypeStruct, ...]:
-  """The receive slots [*lead, D - 1, chunk, n] and, with comm CTAs, the staging buffer of the
-  same shape, in the config's partial dtype: extra kernel outputs (uninitialised), because
-  peers can only address kernel arguments (docs/design.md section 7); none with tma_add (the
-  peer's partial lands in the output)."""
-  buf = jax.ShapeDtypeStruct((*lead, num_devices - 1, chunk, n), jnp.dtype(config.partial_dtype))
-  recv = () if config.tma_add else (buf,)
-  return (*recv, buf) if config.comm_ctas else recv
+def _extra_buffers(lead: tuple[int, ...], num_devices: int, chunk: int, n: int,
+                   config: Config) -> dict[str, jax.ShapeDtypeStruct]:
+  """The kernel's extra outputs (uninitialised), by body argument name: at D > 1 the receive
+  slots `recv_gmem` [*lead, D - 1, chunk, n] (none with tma_add: the peer's partial lands in
+  the output) and, with comm CTAs, the staging buffer `stage_gmem` of the same shape, in the
+  config's partial dtype (outputs because peers can only address kernel arguments,
+  docs/design.md section 7); with split_k > 1 the hand-off `split_gmem` [*lead, D, chunk, n]
+  (f32)."""
+  extra = {}
+  if num_devices > 1:
+    buf = jax.ShapeDtypeStruct((*lead, num_devices - 1, chunk, n),
+                               jnp.dtype(config.partial_dtype))
+    if not config.tma_add:
+      extra["recv_gmem"] = buf
+    if config.comm_ctas:
+      extra["stage_gmem"] = buf
+  if config.split_k > 1:
+    extra["split_gmem"] = jax.ShapeDtypeStruct((*lead, num_devices, chunk, n), jnp.float32)
+  return extra
 
 
 def fused_matmul_reduce_scatter(x, w, *, axis_name, num_devices: int,
@@ -244,13 +255,9 @@ def fused_matmul_reduce_scatter(x, w, *, axis_name, num_devices: int,
   else:
     axis = check_mesh(axis_name)
   config = _checked(config, m=m, k_shard=k_shard, n=n, dtype=x.dtype, num_devices=num_devices)
-  chunk = m // num_devices
-  out_type = (jax.ShapeDtypeStruct((chunk, n), x.dtype),)
-  if num_devices > 1:
-    out_type += _exchange_buffers((), num_devices, chunk, n, config)
-  f = _build(transport_lib.NVLinkTransport(axis, num_devices), out_type=out_type,
-             config=config, num_devices=num_devices, name="pallas_rs_matmul_rs",
-             skip=_skip(ablate))
+  f = _build(transport_lib.NVLinkTransport(axis, num_devices), lead=(),
+             out_shape=(m // num_devices, n), dtype=x.dtype, config=config,
+             num_devices=num_devices, name="pallas_rs_matmul_rs", skip=_skip(ablate))
   return f(x, w)[0]
 
 
@@ -259,9 +266,8 @@ def local_matmul(x, w, *, config: Config | None = None) -> jax.Array:
   m, k = x.shape
   n = w.shape[1]
   config = _checked(config, m=m, k_shard=k, n=n, dtype=x.dtype, num_devices=1)
-  f = _build(transport_lib.NVLinkTransport("_unused", 1),
-             out_type=(jax.ShapeDtypeStruct((m, n), x.dtype),), config=config, num_devices=1,
-             name="pallas_rs_local_matmul")
+  f = _build(transport_lib.NVLinkTransport("_unused", 1), lead=(), out_shape=(m, n),
+             dtype=x.dtype, config=config, num_devices=1, name="pallas_rs_local_matmul")
   return f(x, w)[0]
 
 
@@ -280,11 +286,9 @@ def loopback_matmul_reduce_scatter(xs, ws, *, config: Config | None = None,
     raise NotImplementedError("loopback needs at least 2 virtual ranks; use local_matmul")
   if config.num_sms < d:
     raise NotImplementedError(f"loopback needs num_sms >= D, got {config.num_sms=}, {d=}")
-  chunk = m // d
-  out_type = (jax.ShapeDtypeStruct((d, chunk, n), xs.dtype),
-              *_exchange_buffers((d,), d, chunk, n, config))
-  f = _build(transport_lib.LoopbackTransport(d), out_type=out_type, config=config,
-             num_devices=d, name="pallas_rs_loopback", skip=_skip(ablate))
+  f = _build(transport_lib.LoopbackTransport(d), lead=(d,), out_shape=(m // d, n),
+             dtype=xs.dtype, config=config, num_devices=d, name="pallas_rs_loopback",
+             skip=_skip(ablate))
   return f(xs, ws)[0]
 
 
@@ -306,9 +310,7 @@ def rank_alone(x, w, *, num_devices: int, rank: int = 0, config: Config | None =
   m, k_shard = x.shape
   n = w.shape[1]
   config = _checked(config, m=m, k_shard=k_shard, n=n, dtype=x.dtype, num_devices=num_devices)
-  chunk = m // num_devices
-  out_type = (jax.ShapeDtypeStruct((chunk, n), x.dtype),
-              *_exchange_buffers((), num_devices, chunk, n, config))
-  f = _build(transport_lib.AloneTransport("_alone", num_devices, rank), out_type=out_type,
-             config=config, num_devices=num_devices, name="pallas_rs_rank_alone", skip=skip)
+  f = _build(transport_lib.AloneTransport("_alone", num_devices, rank), lead=(),
+             out_shape=(m // num_devices, n), dtype=x.dtype, config=config,
+             num_devices=num_devices, name="pallas_rs_rank_alone", skip=skip)
   return f(x, w)[0]

@@ -25,6 +25,12 @@ step in order, copies each into the owner's receive slot and announces landed ti
 source's staging into its own slot and announces them locally, in the same batches; a done
 handshake keeps every rank alive until its peers have finished reading its staging buffer.
 
+With `split_k` = 2 (docs/design.md section 3.6) the walk's units are half tiles: unit `u` is
+half `u % 2` of linear tile `u // 2`, so a step's halves spread over all CTAs first. Half 1
+stores its f32 partial into the rank's hand-off buffer and flags it locally (`handed`); half 0
+waits for that flag, adds the partial and runs the tile's epilogue as above (store, signal,
+wait, reduce). Half 1 never waits, so the split adds no cycle.
+
 `SemLayout` names the semaphores; `simulate` checks every variant.
 
 The functions below accept Python ints and traced int32 scalars alike.
@@ -52,17 +58,20 @@ class SemLayout:
   batches), so tile t has arrived once entry (slot, t % n) reaches t // n + 1; `staged(step,
   tile)` = (D - 1 + step, tile) flags a staged remote tile: the rank's own (push from
   staging), or, with `pull`, the peer's that computed this rank's chunk at `step` (signalled
-  over NVLink); then `done()` counts the peers done reading this rank's staging buffer.
+  over NVLink); then `done()` counts the peers done reading this rank's staging buffer. With
+  the split (direct push only), `handed(step, tile)` = (1 + step, tile) flags a tile's second
+  K half, stored into the hand-off buffer by a CTA of this rank.
   """
   num_devices: int
   tiles: int
   comm_ctas: int
   pull: bool = False
+  split_steps: int = 0  # split_k > 1: the steps whose tiles are handed over (all of them)
 
   @property
   def shape(self) -> tuple[int, int]:
     if not self.comm_ctas:
-      return 1, self.tiles
+      return 1 + self.split_steps, self.tiles
     rows = 2 * (self.num_devices - 1) + (1 if self.pull else 0)
     return rows, max(self.tiles, self.comm_ctas)
 
@@ -78,6 +87,10 @@ class SemLayout:
 
   def staged(self, step: int, tile, wg):
     return self.num_devices - 1 + step, tile, wg
+
+  def handed(self, step, tile, wg):
+    assert not self.comm_ctas and self.split_steps, self
+    return 1 + step, tile, wg
 
 
 def step_and_tile(lin_idx: Any, tiles_per_chunk: int) -> tuple[Any, Any]:
@@ -174,16 +187,20 @@ class Event:
   wg: int = -1  # the compute warpgroup it concerns; -1: both (the same tile, the same peer)
 
 
-def cta_tiles(cta: int, num_ctas: int, num_devices: int, tiles_per_chunk: int) -> list[int]:
-  return list(range(cta, num_devices * tiles_per_chunk, num_ctas))
+def cta_tiles(cta: int, num_ctas: int, num_devices: int, tiles_per_chunk: int,
+              split_k: int = 1) -> list[int]:
+  """The units CTA `cta` takes: linear tiles, or with split_k > 1 half tiles (u // split_k)."""
+  return list(range(cta, num_devices * tiles_per_chunk * split_k, num_ctas))
 
 
 def cta_program(rank: int, cta: int, *, num_ctas: int, num_devices: int,
                 tiles_per_chunk: int, eager_signal_steps: int = 0,
-                comm_ctas: int = 0, pull: bool = False, group: int = 1) -> list[Event]:
+                comm_ctas: int = 0, pull: bool = False, group: int = 1,
+                split_k: int = 1) -> list[Event]:
   """The ordered events of CTA `cta` of `num_ctas` (a rank's whole grid), mirroring body.py.
   Events name the CTA by its grid index; a compute CTA picks its tiles by its index among the
-  compute CTAs. `group`: chunks per CTA tile (`chunk_group`; 2 only with the direct push)."""
+  compute CTAs. `group`: chunks per CTA tile (`chunk_group`; 2 only with the direct push);
+  `split_k`: CTAs per tile (2: "hand_off" by the second half, "wait_handed" by the first)."""
   d = num_devices
   staged = bool(comm_ctas) and d > 1
   if staged and cta < comm_ctas:
@@ -205,11 +222,17 @@ def cta_program(rank: int, cta: int, *, num_ctas: int, num_devices: int,
     return Event("signal", rank, cta, e.step, e.tile, e.dst, e.slot, wg=e.wg)
 
   events, prev = [], []
-  for lin in cta_tiles(cta - first, num_ctas - first, num_steps(d, group), tiles_per_chunk):
-    step, tile = step_and_tile(lin, tiles_per_chunk)
+  for unit in cta_tiles(cta - first, num_ctas - first, num_steps(d, group), tiles_per_chunk,
+                        split_k):
+    step, tile = step_and_tile(unit // split_k, tiles_per_chunk)
     events.append(Event("compute", rank, cta, step, tile, wg_dst(rank, step, 0, d, group)))
     events += [announce(e) for e in prev if deferred(e)]
     prev = []
+    if unit % split_k:  # A second K half: handed to the first half's CTA, nothing else.
+      events.append(Event("hand_off", rank, cta, step, tile, rank))
+      continue
+    if split_k > 1:
+      events.append(Event("wait_handed", rank, cta, step, tile, rank, target=1))
     # The warpgroups that share a destination: both (group 1), or each on its own (pairs; the
     # remote one first: they run concurrently and it never waits).
     parts = [-1] if group == 1 else sorted(
@@ -320,7 +343,7 @@ def comm_reuse_wait(sets: int) -> int:
 
 def simulate(*, num_ctas: int, num_devices: int, tiles_per_chunk: int,
              eager_signal_steps: int = 0, comm_ctas: int = 0,
-             pull: bool = False, group: int = 1) -> dict[str, Any]:
+             pull: bool = False, group: int = 1, split_k: int = 1) -> dict[str, Any]:
   """Runs every CTA of every rank as a sequential process, round-robin.
 
   Models the co-resident persistent grid the kernel requires (fused.check_supported keeps
@@ -336,7 +359,7 @@ def simulate(*, num_ctas: int, num_devices: int, tiles_per_chunk: int,
   programs = {(r, c): cta_program(r, c, num_ctas=num_ctas, num_devices=d,
                                   tiles_per_chunk=tiles_per_chunk,
                                   eager_signal_steps=eager_signal_steps, comm_ctas=comm_ctas,
-                                  pull=pull, group=group)
+                                  pull=pull, group=group, split_k=split_k)
               for r in range(d) for c in range(num_ctas)}
   pcs = {key: 0 for key in programs}
   sems: dict[tuple, int] = {}
@@ -358,6 +381,13 @@ def simulate(*, num_ctas: int, num_devices: int, tiles_per_chunk: int,
           c = ev.tile % comm_ctas
           if any(sems.get(("delivered", ev.rank, ev.slot, c, wg), 0) < ev.target for wg in wgs):
             break
+        elif ev.kind == "wait_handed":
+          if any(sems.get(("handed", ev.rank, ev.step, ev.tile, wg), 0) < ev.target for wg in wgs):
+            break
+        elif ev.kind == "hand_off":  # Its stores land before the flag (as body.py orders them).
+          for wg in wgs:
+            k = ("handed", ev.rank, ev.step, ev.tile, wg)
+            sems[k] = sems.get(k, 0) + 1
         elif ev.kind == "wait_done":
           if sems.get(("done", ev.rank), 0) < ev.target:
             break

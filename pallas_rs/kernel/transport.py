@@ -139,4 +139,6 @@ class AloneTransport(NVLinkTransport):
     self._device_id(rank, offset)
 
   def wait(self, sems, rank, idx, value, *, local: bool = False):
-    raise AssertionError("AloneTransport has no peers: the kernel must run with ablate 'comm'")
+    if not local:  # (Local waits are the split's hand-off, between this rank's own CTAs.)
+      raise AssertionError("AloneTransport has no peers: the kernel must run with ablate 'comm'")
+    super().wait(sems, rank, idx, value, local=True)

@@ -1,6 +1,7 @@
 """Candidate kernel configs for the tuner (experiments/autotune.py), likeliest winners first.
 
-`candidate_configs` orders `config.search_space` for diversity around `config.default_config`;
+`candidate_configs` orders `search_space` (every valid config of a shape) for diversity around
+`config.default_config`;
 `comm_variants` are one config's ways of moving the partials (direct push, comm CTAs pulling
 or pushing); `tile_variants` its CTA tile shapes (small M: how many SMs one wave fills, and
 how many waves the transfer can overlap); `ag_tile_variants` the same for the backward's
@@ -10,7 +11,9 @@ config measured at one D to another (the loopback entries).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
+from typing import Iterator
 
 from pallas_rs.kernel import config as config_lib
 
@@ -27,7 +30,7 @@ _MULTI_DEVICE_FIELDS = ("comm_ctas", "out_slots", "recv_stages", "eager_signal_s
 def candidate_configs(*, m: int, n: int, k_shard: int, num_devices: int,
                       max_configs: int | None = None,
                       num_sms: int = config_lib.DEFAULT_NUM_SMS) -> list[Config]:
-  """`default_config` first, then `config.search_space` ordered for diversity.
+  """`default_config` first, then `search_space` ordered for diversity.
 
   Deterministic. After the default come configs differing from it in one field
   (tile_m, then tile_n, wg_dimension, grid_minor_dim, grid_tile_width, max_concurrent_steps,
@@ -41,8 +44,8 @@ def candidate_configs(*, m: int, n: int, k_shard: int, num_devices: int,
                                         num_devices=num_devices, num_sms=num_sms)
   except NotImplementedError:
     return []
-  space = list(config_lib.search_space(m=m, n=n, k_shard=k_shard,
-                                       num_devices=num_devices, num_sms=num_sms))
+  space = list(search_space(m=m, n=n, k_shard=k_shard, num_devices=num_devices,
+                            num_sms=num_sms))
   fields = [f for f in _VARIANT_FIELDS
             if not (f in _MULTI_DEVICE_FIELDS and num_devices == 1)]
   if num_devices == 1:
@@ -188,3 +191,41 @@ def ag_tile_variants(m_shard: int, k: int, n: int) -> list:
     if cfg not in out and ag_matmul.tiling_problem(cfg, m_shard=m_shard, k=k, n=n) is None:
       out.append(cfg)
   return out
+
+
+# Warpgroup tiles (tile_m, tile_n, wg_dimension) of search_space: the N split's 64/128 x 64/128
+# and the M split's 128 x 128/192/256 and 256 x 128 CTA tiles.
+_M, _N = config_lib.MatmulDimension.M, config_lib.MatmulDimension.N
+_SEARCH_TILES = tuple((tm, tn, _N) for tm in (64, 128) for tn in (64, 128)) + (
+    (64, 128, _M), (64, 192, _M), (64, 256, _M), (128, 128, _M))
+
+
+def search_space(*, m: int, n: int, k_shard: int, num_devices: int,
+                 num_sms: int = config_lib.DEFAULT_NUM_SMS) -> Iterator[Config]:
+  """Every config the tuner may try for this shape: valid and within the SMEM limit.
+
+  Comm CTAs push here; the pulling ones (faster per comm CTA, jax >= 0.11.2 on devices) are
+  tried around a tuned config by comm_variants (autotune.py --candidates=comm)."""
+  # Fixed per D by the error rule (default_numerics), not tuned.
+  partial_dtype, owner_sum = config_lib.NUMERICS_MODES[config_lib.default_numerics(num_devices)]
+  tma_add = config_lib.tma_add_runs(num_devices, owner_sum)  # As default_config.
+  for (tile_m, tile_n, wg), steps, recv_stages, minor, width, eager, comm, out_slots in (
+      itertools.product(_SEARCH_TILES, (2, 3, 4, 5), (1, 2, 4),
+                        (_N, _M), (1, 4), (0, 1),
+                        (0, 1, 2, 4, 8), (0, 8))):
+    if num_devices == 1 and (recv_stages != 1 or eager or comm or out_slots):
+      continue
+    if tma_add and recv_stages != 2:  # (they allocate nothing: the same kernel)
+      continue
+    cfg = Config(tile_m=tile_m, tile_n=tile_n, tile_k=64, max_concurrent_steps=steps,
+                 epi_tile_m=64, epi_tile_n=config_lib.epi_tile_n_for(tile_n, partial_dtype),
+                 wg_dimension=wg,
+                 recv_stages=recv_stages, grid_minor_dim=minor, grid_tile_width=width,
+                 num_sms=num_sms, eager_signal_steps=eager, comm_ctas=comm,
+                 out_slots=out_slots, partial_dtype=partial_dtype, owner_sum=owner_sum,
+                 tma_add=tma_add)
+    try:
+      cfg.check_shape(m=m, n=n, k_shard=k_shard, num_devices=num_devices)
+    except NotImplementedError:
+      continue
+    yield cfg
