@@ -176,8 +176,8 @@ mixtral8x22b_w2_m512,llama70b_o_proj_m2048,mixtral8x22b_o_proj_m2048 \
     # One GPU (when no x2 is lent): the stalled family's compiled code beside the N split's and
     # the TMA add's, in the loopback module (ablate.py, D = 2) and in the NVLink module built on
     # a one-device stand-in mesh (compile_probe.py: Mosaic GPU compiles it, XLA then refuses
-    # it); PTX, ptxas and resource counts tarred into $out/stall_dumps.tgz (one file: the
-    # device tool returns few). Then the M split without the add checked in loopback at
+    # it); PTX, ptxas and resource counts, with those runs' JSON and logs, tarred into
+    # $out/stall_dumps.tgz (the device tool returns only a few files). Then the M split without the add checked in loopback at
     # D = 2, 4, 8 (the N split as the control), each in its own process with the hang watchdog.
     dumps=$(mktemp -d)
     for v in t64x256_wm_noadd t128x128_wn_noadd t64x256_wm_tadd; do
@@ -185,11 +185,12 @@ mixtral8x22b_w2_m512,llama70b_o_proj_m2048,mixtral8x22b_o_proj_m2048 \
       MOSAIC_GPU_DUMP_TO="$dumps/loopback_$v" MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_PTX=1 \
         timeout 90 python3 experiments/ablate.py --num_devices=2 \
         --names=llama70b_o_proj_m2048 --configs=$v --ablations=fused --iterations=5 \
-        --out="$out/stall_dump_$v.json" > "$out/stall_dump_$v.log" 2>&1
+        --out="$dumps/stall_dump_$v.json" > "$dumps/stall_dump_$v.log" 2>&1
       echo "== loopback $v rc=$?"
       MOSAIC_GPU_DUMP_TO="$dumps/nvlink_$v" MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_PTX=1 \
         timeout 150 python3 experiments/compile_probe.py --configs=$v --timeout_s=120 \
-        --out="$out/compile_probe_$v.json" 2>&1 | grep -E "^\{|Timeout" | cut -c1-160
+        --out="$dumps/compile_probe_$v.json" 2>&1 | tee "$dumps/compile_probe_$v.log" \
+        | grep -E "^\{|Timeout" | cut -c1-160
     done
     (cd "$dumps" && tar czf "$out/stall_dumps.tgz" --exclude='*mlir-passes*' \
       --exclude='*constraint*' --exclude='*layout_inference*' .)
