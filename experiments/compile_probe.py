@@ -115,7 +115,8 @@ def main(argv):
   for r in record["rows"]:
     print(f"{r['name']:28s} {r['config']:22s} {r['d']:2d} "
           f"{bench_env.fmt(r.get('lower_s', r.get('export_s'))):>8s} "
-          f"{bench_env.fmt(r.get('compile_s')):>10s}  {r.get('error', '')[:60]}")
+          f"{bench_env.fmt(r.get('compile_s')):>10s}  "
+          f"{(r.get('error') or r.get('compile_error') or '')[:60]}")
   print(f"wrote {out}")
 
 
