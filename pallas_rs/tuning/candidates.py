@@ -131,7 +131,7 @@ def owner_variants(base: Config, *, m: int, n: int, k_shard: int,
   (Config.tma_add: D = 2 in the ring's numerics, where it gives the same bits), fitted to SMEM;
   those the kernel cannot take for the shape left out."""
   other = [dataclasses.replace(base, tma_add=not base.tma_add)] if (
-      base.owner_sum == "bf16_ring") else []
+      config_lib.tma_add_runs(num_devices, base.owner_sum)) else []
   return _fitting([base, *other], m=m, n=n, k_shard=k_shard, num_devices=num_devices)
 
 
