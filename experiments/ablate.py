@@ -47,6 +47,9 @@ _OUT = flags.DEFINE_string("out", "", "JSON output path; default experiments/out
                            "ablate_<mode>.json (git-ignored).")
 _CONFIGS = flags.DEFINE_list("configs", ["table"], "Config variants per shape "
                              "(config_variants.variant_config names; 'table' = as tuned).")
+_UNVERIFIED = flags.DEFINE_bool("unverified", False, "NVLink: also run configs that "
+                                "fused.nvlink_unverified refuses (they may stall: "
+                                "run_multi_gpu.sh stall_ablate).")
 
 VARIANTS = {"fused": (), "no_comm": ("comm",), "no_reduce": ("reduce",),
             "neither": ("comm", "reduce"), "no_add": ("comm", "owner_add"),
@@ -112,7 +115,7 @@ def main(argv):
       ref = testing.stacked_reference(*testing.split_inputs(*args, d))
       build = lambda ablate, cfg: jax.jit(jax.shard_map(functools.partial(
           fused.fused_matmul_reduce_scatter, axis_name="tp", num_devices=d, ablate=ablate,
-          config=cfg), **specs))
+          config=cfg, unverified=_UNVERIFIED.value), **specs))
       baselines = {
           "xla_seq": jax.jit(jax.shard_map(functools.partial(
               reference.matmul_reduce_scatter, axis_name="tp"), **specs)),
@@ -136,7 +139,8 @@ def main(argv):
       cfg = variant_config(base, cname)
       try:  # The kernel's own check, as its entry point will run it.
         fused.check_supported(m=m, k_shard=k_shard, n=n, dtype=args[0].dtype, num_devices=d,
-                              config=cfg, loopback=transport == "loopback")
+                              config=cfg, loopback=transport == "loopback",
+                              unverified=_UNVERIFIED.value or transport == "alone")
       except NotImplementedError as e:
         row["configs"][cname] = f"unavailable: {e}"
         continue

@@ -58,6 +58,9 @@ _NK = flags.DEFINE_list("nk", [], "Seed (n, k) pairs to check, as NxK before --s
 _VARIANT = flags.DEFINE_string("variant", "", "A config_variants name applied to the kernel's "
                                "default config of each shape (e.g. t64x256_wm_noadd); empty: "
                                "the kernel's own choice.")
+_UNVERIFIED = flags.DEFINE_bool("unverified", False, "Let --variant name a config that "
+                                "fused.nvlink_unverified refuses over NVLink (it may stall: "
+                                "run_multi_gpu.sh stall).")
 _CASE_TIMEOUT = flags.DEFINE_integer("case_timeout_s", 300, "A case or stress call running "
                                      "longer is taken for a hang: stacks to stderr, exit 1.")
 _AXIS = "tp"
@@ -86,7 +89,7 @@ def _sharded_fns(d: int, config=None):
   specs = dict(mesh=mesh, in_specs=(P(None, _AXIS), P(_AXIS, None)), out_specs=P(_AXIS, None),
                check_vma=False)
   f = functools.partial(fused.fused_matmul_reduce_scatter, axis_name=_AXIS, num_devices=d,
-                        config=config)
+                        config=config, unverified=_UNVERIFIED.value)
   u = functools.partial(reference.matmul_reduce_scatter, axis_name=_AXIS)
 
   def fused_then_collective(x, w):  # An unrelated XLA collective right after the kernel.

@@ -204,6 +204,24 @@ def test_tma_add_bit_identical_to_the_owner_epilogue(m, n, k_shard, tiles):
         _unfused_ring(xs, ws), ref)
 
 
+# The same CTA tile with the warpgroups along M (two 64 x 256 wgmma tiles) or along N (two
+# 128 x 128): every output bit the same, so the N split (which runs over NVLink) stands in as
+# the reference where NVLink refuses the M split without the TMA add (fused.nvlink_unverified).
+@pytest.mark.parametrize("d,numerics", [(2, "unfused_order"), (2, "fp32_partials"),
+                                        (4, "fp32_partials")])
+def test_warpgroup_split_changes_no_bit(d, numerics):
+  m, n, k_shard = 1024 * d, 2048, 1024
+  cfgs = [config_lib.fit_smem(config_lib.with_numerics(config_lib.Config(
+      tile_m=tm, tile_n=tn, wg_dimension=wg), numerics, d), d)
+      for tm, tn, wg in ((64, 256, _WG_M), (128, 128, config_lib.MatmulDimension.N))]
+  assert {(c.cta_tile_m, c.cta_tile_n) for c in cfgs} == {(128, 256)}
+  fns = [jax.jit(functools.partial(fused.loopback_matmul_reduce_scatter, config=c))
+         for c in cfgs]
+  for call in range(3):
+    xs, ws = testing.stacked_inputs(13000 + 10 * d + call, d, m, k_shard, n)
+    helpers.assert_same_bits(*(f(xs, ws) for f in fns), call)
+
+
 def test_tma_add_back_to_back_calls():
   # A TMA add issued before the peer's partial landed, or a partial landing on an added tile,
   # would move the output from call to call: 100 calls alternating two shapes, fresh inputs,

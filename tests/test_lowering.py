@@ -34,10 +34,10 @@ def _seed_params_at_d8():
   return params
 
 
-def _export_shard_map(m, n, k, d, config=None):
+def _export_shard_map(m, n, k, d, config=None, unverified=False):
   mesh = helpers.make_mesh(d)
   f = functools.partial(fused.fused_matmul_reduce_scatter, axis_name=helpers.AXIS,
-                        num_devices=d, config=config)
+                        num_devices=d, config=config, unverified=unverified)
   g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(None, helpers.AXIS), P(helpers.AXIS, None)),
                             out_specs=P(helpers.AXIS, None), check_vma=False))
   x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, helpers.AXIS)))
@@ -132,6 +132,45 @@ def test_tma_add_refusals():
   assert config_lib.with_numerics(cfg, "unfused_order", 2).tma_add
   assert not config_lib.with_numerics(cfg, "fp32_partials", 2).tma_add
   assert not config_lib.with_partial_dtype(cfg, "bfloat16", 2).tma_add
+
+
+def test_m_split_without_tma_add_is_refused_over_nvlink():
+  # It stalled in 3 of 3 tries on two H200s (fused.nvlink_unverified): refused on NVLink at
+  # any D > 1 unless an experiment asks, run by loopback and rank_alone (no NVLink), and the
+  # same tiles with the TMA add or the warpgroups along N pass.
+  from pallas_rs.tuning import gate  # pylint: disable=g-import-not-at-top
+  m_split = config_lib.Config(tile_m=64, tile_n=256, wg_dimension=config_lib.MatmulDimension.M)
+  problem = dict(m=2048, k_shard=1024, n=2048, dtype=jnp.bfloat16)
+  for d, cfg in [(2, config_lib.with_numerics(m_split, "fp32_partials", 2)),
+                 (2, config_lib.with_numerics(m_split, "unfused_order", 2)),
+                 (4, config_lib.fit_smem(config_lib.with_numerics(m_split, "fp32_partials", 4),
+                                         4))]:
+    assert not cfg.tma_add
+    with pytest.raises(NotImplementedError, match="along M without the TMA add"):
+      fused.check_supported(**problem, num_devices=d, config=cfg)
+    assert fused.check_supported(**problem, num_devices=d, config=cfg, unverified=True) == cfg
+    assert fused.check_supported(**problem, num_devices=d, config=cfg, loopback=True) == cfg
+    # "auto" with it falls back to XLA, saying why; "fused" raises.
+    dec = gate.decide("matmul_rs", **problem, num_devices=d, config=cfg, gpu_kind="NVIDIA H200")
+    assert dec.implementation == "xla" and "along M without the TMA add" in dec.fallback
+    with pytest.raises(NotImplementedError, match="along M without"):
+      gate.decide("matmul_rs", **problem, num_devices=d, config=cfg, implementation="fused",
+                  gpu_kind="NVIDIA H200")
+  added = dataclasses.replace(config_lib.with_numerics(m_split, "unfused_order", 2), tma_add=True)
+  fused.check_supported(**problem, num_devices=2, config=added)
+  n_split = config_lib.Config(tile_m=128, tile_n=128)
+  fused.check_supported(**problem, num_devices=4, config=config_lib.fit_smem(
+      config_lib.with_numerics(n_split, "fp32_partials", 4), 4))
+  # Nor has a 256-column wgmma tile along N run without the add (the stall's other suspect).
+  wide = config_lib.fit_smem(config_lib.Config(tile_m=64, tile_n=256), 2)
+  with pytest.raises(NotImplementedError, match="64 x 256 side by side along N"):
+    fused.check_supported(**problem, num_devices=2, config=wide)
+  assert config_lib.with_wg_along_n(m_split) == dataclasses.replace(
+      m_split, tile_m=128, tile_n=128, wg_dimension=config_lib.MatmulDimension.N)
+  fused.check_supported(**dict(problem, m=1024), num_devices=1, config=m_split)  # no peers
+  x, w = jnp.zeros((2048, 1024), jnp.bfloat16), jnp.zeros((1024, 2048), jnp.bfloat16)
+  jax.eval_shape(functools.partial(fused.rank_alone, num_devices=4, config=config_lib.fit_smem(
+      config_lib.with_numerics(m_split, "fp32_partials", 4), 4)), x, w)
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -433,9 +472,9 @@ def test_warpgroups_along_m_lower(d, comm):
 # D = 4 in the slow layer (tests/conftest.py): the loopback path of D = 2 and 8 (fast).
 @pytest.mark.parametrize("d", [2, pytest.param(4, marks=pytest.mark.slow), 8])
 def test_pairs_lower(d):
-  # 64-row chunks under a 128-row CTA tile (schedule.chunk_group 2), in loopback at D = 2/4/8;
-  # under shard_map, test_seed_shapes_lower_at_d8 lowers the default of Llama o_proj M = 512
-  # at D = 8, which is pairs (checked here).
+  # 64-row chunks under a 128-row CTA tile (schedule.chunk_group 2), in loopback at D = 2/4/8,
+  # and at D = 8 under shard_map, where NVLink refuses them unless asked (no TMA add beyond
+  # D = 2: fused.nvlink_unverified), so the D = 8 default is no longer pairs.
   cfg = config_lib.fit_smem(config_lib.with_numerics(config_lib.Config(
       tile_m=64, tile_n=256, wg_dimension=config_lib.MatmulDimension.M),
       config_lib.default_numerics(d), d), d)
@@ -445,4 +484,8 @@ def test_pairs_lower(d):
                     platforms=["cuda"])(xs, ws)
   if d == 8:
     default = config_lib.default_config(m=512, n=8192, k_shard=1024, num_devices=8)
-    assert default.chunk_group(512, 8) == 2
+    assert default.chunk_group(512, 8) == 1
+    assert default.wg_dimension == config_lib.MatmulDimension.N
+    with pytest.raises(NotImplementedError, match="along M without the TMA add"):
+      _export_shard_map(512, 8192, 8192, 8, config=cfg)
+    _export_shard_map(512, 8192, 8192, 8, config=cfg, unverified=True)

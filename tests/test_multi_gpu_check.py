@@ -11,7 +11,7 @@ import pytest
 import helpers
 
 STAND_INS = """
-def stand_in(x, w, *, axis_name, num_devices, config=None):
+def stand_in(x, w, *, axis_name, num_devices, config=None, unverified=False):
   out = reference.matmul_reduce_scatter(x, w, axis_name=axis_name)
   return out * {factor} if {factor} != 1 else out
 fused.fused_matmul_reduce_scatter = stand_in
@@ -41,7 +41,7 @@ def test_script_checks_what_it_runs(tmp_path, factor, expect_ok):
 
 
 CONFIG_STAND_IN = """
-def stand_in(x, w, *, axis_name, num_devices, config=None):
+def stand_in(x, w, *, axis_name, num_devices, config=None, unverified=False):
   # The case's config must be --variant's (t64x256_wm_noadd) on the shape's default.
   assert config is not None and (config.tile_m, config.tile_n) == (64, 256), config
   assert config.wg_dimension.name == "M" and not config.tma_add, config
@@ -51,7 +51,7 @@ fused.fused_matmul_reduce_scatter = stand_in
 
 HANG_STAND_IN = """
 import time
-def stand_in(x, w, *, axis_name, num_devices, config=None):
+def stand_in(x, w, *, axis_name, num_devices, config=None, unverified=False):
   time.sleep(600)  # A kernel whose wait never completes.
 fused.fused_matmul_reduce_scatter = stand_in
 """

@@ -644,8 +644,15 @@ def test_default_tiles_follow_the_wave_model():
   assert cfg(512, 8192, 2).wg_dimension == m_dim
   assert (cfg(512, 6144, 2).cta_tile_m, cfg(512, 6144, 2).cta_tile_n) == (128, 192)
   assert (cfg(2048, 6144, 2).cta_tile_m, cfg(2048, 6144, 2).cta_tile_n) == (128, 256)
-  # D = 8, M = 512: 64-row chunks in pairs under 128-row tiles (schedule.chunk_group).
-  assert cfg(512, 8192, 8).chunk_group(512, 8) == 2 and cfg(512, 8192, 8).cta_tile_m == 128
+  # Without the TMA add (D > 2) never the M split, which has not completed over NVLink
+  # (fused.nvlink_unverified): D = 8, M = 512 takes 64 x 256 CTA tiles, not pairs of 64-row
+  # chunks under 128-row ones; D = 4 the N split's 128 x 256.
+  for m, n, d in [(512, 8192, 8), (2048, 6144, 8), (512, 6144, 4), (8192, 8192, 4)]:
+    assert cfg(m, n, d).wg_dimension == config_lib.MatmulDimension.N, (m, n, d)
+  assert (cfg(512, 8192, 8).cta_tile_m, cfg(512, 8192, 8).chunk_group(512, 8)) == (64, 1)
+  assert (cfg(8192, 8192, 4).cta_tile_m, cfg(8192, 8192, 4).cta_tile_n) == (128, 256)
+  # D = 1 (no NVLink) keeps it.
+  assert cfg(512, 8192, 1).wg_dimension == m_dim
   # n that no 256- or 192-column tile divides still gets a valid config.
   c = cfg(512, 320, 2)
   c.check_shape(m=512, n=320, k_shard=1024, num_devices=2)

@@ -319,6 +319,20 @@ def with_numerics(cfg: Config, mode: str, num_devices: int) -> Config:
                   num_devices)
 
 
+def with_wg_along_n(cfg: Config) -> Config:
+  """`cfg` with the same CTA tile, its two warpgroup tiles side by side along N (what NVLink
+  runs without the TMA add: fused.nvlink_unverified); NotImplementedError where half the CTA
+  tile's columns are not a multiple of 64."""
+  if cfg.wg_dimension == MatmulDimension.N:
+    return cfg
+  if not wg_split_aligned(cfg.cta_tile_n // 2, MatmulDimension.N):
+    raise NotImplementedError(f"a {cfg.cta_tile_m} x {cfg.cta_tile_n} CTA tile cannot split "
+                              "along N (half its columns must be a multiple of 64)")
+  return dataclasses.replace(cfg, tile_m=cfg.cta_tile_m, tile_n=cfg.cta_tile_n // 2,
+                             wg_dimension=MatmulDimension.N,
+                             epi_tile_n=min(cfg.epi_tile_n, cfg.cta_tile_n // 2))
+
+
 def fit_smem(cfg: Config, num_devices: int) -> Config:
   """`cfg` with the receive prefetch shortened (down to 1 stage), then the pipeline (down to 2
   steps), until it fits SMEM; unchanged if it already does (the caller checks the result).
@@ -357,12 +371,15 @@ _DEFAULT_TILES = {(64, 256, MatmulDimension.M): 1.0, (64, 192, MatmulDimension.M
                   (64, 64, MatmulDimension.N): 1.55, (64, 64, MatmulDimension.M): 1.6}
 
 
-def _default_tiles(chunk: int, n: int, num_devices: int, num_sms: int):
+def _default_tiles(chunk: int, n: int, num_devices: int, num_sms: int, m_split: bool):
   """The CTA tile of least modelled time: waves (the D chunks' tiles over num_sms CTAs, rounded
   up) x tile area x its relative cost (_DEFAULT_TILES); ties go to the earlier tile. A 128-row
-  tile over a pair of 64-row chunks (schedule.chunk_group) counts as one tile of the pair."""
+  tile over a pair of 64-row chunks (schedule.chunk_group) counts as one tile of the pair.
+  `m_split`: whether the warpgroups may split along M."""
   best = None
   for (tile_m, tile_n, wg), slowdown in _DEFAULT_TILES.items():
+    if wg == MatmulDimension.M and not m_split:
+      continue
     cta_m, cta_n = cta_tile(tile_m, tile_n, wg)
     group = schedule.chunk_group(chunk, tile_m, wg == MatmulDimension.M, num_devices)
     if group * chunk % cta_m or n % cta_n:
@@ -395,17 +412,25 @@ def default_config(*, m: int, n: int, k_shard: int, num_devices: int,
   tile_k = 64
   if k_shard % tile_k:
     raise NotImplementedError(f"{k_shard=} is not a multiple of 64 (tile_k); no padding {where}")
-  tiles = _default_tiles(chunk, n, num_devices, num_sms)
+  partial_dtype, owner_sum = NUMERICS_MODES[default_numerics(num_devices)]
+  tma_add = tma_add_runs(num_devices, owner_sum)
+  # The M split only with the TMA add (or at D = 1): without it, it has not completed over
+  # NVLink (fused.nvlink_unverified); alone at D = 4 / 8 the N split costs 0-1% where the CTA
+  # tile is the same, 15-22% at M = 512 (D = 4) and 1.6-1.9x where it replaces a pair
+  # (D = 8 M = 512) (BUILD_NOTES 2026-12-01, seventh session).
+  m_split = tma_add or num_devices == 1
+  tiles = _default_tiles(chunk, n, num_devices, num_sms, m_split)
   if tiles is None:
     raise NotImplementedError(
-        f"{n=} is not a multiple of 128 and m // num_devices = {chunk} of 128: no CTA tile "
-        f"fits (a 64-row tile needs 128 columns); no padding {where}")
+        f"{n=} is not a multiple of 128, which the warpgroups side by side along N need, "
+        + (f"and m // num_devices = {chunk} not of 128 (a 64-row tile needs 128 columns)"
+           if m_split else "and the M split runs only with the TMA add")
+        + f": no CTA tile fits; no padding {where}")
   tile_m, tile_n, wg = tiles
-  partial_dtype, owner_sum = NUMERICS_MODES[default_numerics(num_devices)]
   cfg = Config(tile_m=tile_m, tile_n=tile_n, tile_k=tile_k, epi_tile_m=64,
                epi_tile_n=epi_tile_n_for(tile_n, partial_dtype), wg_dimension=wg, num_sms=num_sms,
                partial_dtype=partial_dtype, owner_sum=owner_sum)
   cfg = _largest_steps(cfg, num_devices)
-  cfg = dataclasses.replace(cfg, tma_add=tma_add_runs(num_devices, owner_sum))  # steps as measured
+  cfg = dataclasses.replace(cfg, tma_add=tma_add)  # steps as measured
   cfg.check_shape(m=m, n=n, k_shard=k_shard, num_devices=num_devices)
   return cfg

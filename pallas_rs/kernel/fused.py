@@ -33,14 +33,38 @@ MAX_DEVICES = 8
 REMOTE_TMA_LOAD_JAX = (0, 11, 2)
 
 
+def nvlink_unverified(config: Config, num_devices: int) -> str | None:
+  """Why `config` is refused over NVLink although loopback runs it correctly, or None.
+
+  Without the owner's TMA add, the 128 x 256 CTA tile with its warpgroups split along M (two
+  64 x 256 wgmma tiles) stalled in its first call in 3 of 3 tries on two H200s and has never
+  completed over NVLink (BUILD_NOTES, 2026-12-01 fifth session). Loopback runs it correctly at
+  D = 2, 4 and 8, and its compiled code is that of the N split of the same CTA tile (which runs
+  over NVLink) but for the wgmma shape and a row offset (sixth session): the cause is open
+  between the split and the 256-column wgmma. So without the add NVLink runs what it has run:
+  the N split with warpgroup tiles of at most 128 columns (with the add, both the M split's 128
+  x 256 and 128 x 192 ran). Lift this once `run_multi_gpu.sh stall` has found the cause."""
+  if num_devices > 1 and not config.tma_add and (
+      config.wg_dimension == config_lib.MatmulDimension.M or config.tile_n > 128):
+    return (f"warpgroup tiles of {config.tile_m} x {config.tile_n} side by side along "
+            f"{config.wg_dimension.name} without the TMA add have not run over NVLink (the M "
+            "split of 128 x 256 stalled 3 of 3 tries on two H200s, cause open: BUILD_NOTES "
+            "2026-12-01); use wg_dimension=N with tile_n <= 128, or tma_add=True at "
+            "num_devices = 2 in the ring's numerics")
+  return None
+
+
 def remote_tma_loads_supported() -> bool:
   return tuple(jax.__version_info__[:3]) >= REMOTE_TMA_LOAD_JAX
 
 
 def check_supported(*, m: int, k_shard: int, n: int, dtype, num_devices: int,
-                    config: Config | None = None, loopback: bool = False) -> Config:
+                    config: Config | None = None, loopback: bool = False,
+                    unverified: bool = False) -> Config:
   """Returns the config to use, or raises NotImplementedError saying why the kernel can't.
-  `loopback`: for the one-GPU transport (no remote loads)."""
+  `loopback`: for the one-GPU transport (no remote loads, and `nvlink_unverified` does not
+  apply). `unverified`: let an NVLink config that `nvlink_unverified` refuses through (the
+  experiments that investigate it; never the public API)."""
   if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
     raise NotImplementedError(f"fused kernel supports bfloat16 only, got dtype={jnp.dtype(dtype)}")
   if not 1 <= num_devices <= MAX_DEVICES:
@@ -64,6 +88,8 @@ def check_supported(*, m: int, k_shard: int, n: int, dtype, num_devices: int,
         f"comm_mode='pull' TMA-loads from peers, which Mosaic GPU lowers from jax "
         f"{'.'.join(map(str, REMOTE_TMA_LOAD_JAX))} on (this is {jax.__version__}); "
         "use comm_mode='push'")
+  if not loopback and not unverified and (why := nvlink_unverified(config, num_devices)):
+    raise NotImplementedError(why)
   return config
 
 
@@ -80,7 +106,8 @@ class CheckedConfig:
     return cls(config, (m, k_shard, n, jnp.dtype(dtype).name, num_devices))
 
 
-def _checked(config, *, m, k_shard, n, dtype, num_devices, loopback=False) -> Config:
+def _checked(config, *, m, k_shard, n, dtype, num_devices, loopback=False,
+             unverified=False) -> Config:
   """The config to run: a CheckedConfig's for this very problem, else `check_supported`'s."""
   if isinstance(config, CheckedConfig):
     problem = (m, k_shard, n, jnp.dtype(dtype).name, num_devices)
@@ -88,7 +115,7 @@ def _checked(config, *, m, k_shard, n, dtype, num_devices, loopback=False) -> Co
       raise ValueError(f"config was checked for {config.problem}, not {problem}")
     return config.config
   return check_supported(m=m, k_shard=k_shard, n=n, dtype=dtype, num_devices=num_devices,
-                         config=config, loopback=loopback)
+                         config=config, loopback=loopback, unverified=unverified)
 
 
 def gpu_num_sms() -> int | None:
@@ -227,7 +254,8 @@ def _exchange_buffers(lead: tuple[int, ...], num_devices: int, chunk: int, n: in
 
 
 def fused_matmul_reduce_scatter(x, w, *, axis_name, num_devices: int,
-                                config: Config | None = None, ablate=()) -> jax.Array:
+                                config: Config | None = None, ablate=(),
+                                unverified: bool = False) -> jax.Array:
   """Inside shard_map over `axis_name` (size num_devices): x [m, k_shard], w [k_shard, n]
   -> [m // num_devices, n] (row chunk `axis_index` of sum over devices of x @ w).
 
@@ -236,14 +264,16 @@ def fused_matmul_reduce_scatter(x, w, *, axis_name, num_devices: int,
 
   `ablate` (body.ABLATIONS: "comm", "reduce", "gemm"): leave a stage out, for timing only;
   the result is then wrong
-  (body.kernel_body says what each leaves out)."""
+  (body.kernel_body says what each leaves out). `unverified`: as in `check_supported`, for
+  experiments only."""
   m, k_shard = x.shape
   n = w.shape[1]
   if isinstance(config, CheckedConfig):
     axis = _reduced_axis(axis_name)
   else:
     axis = check_mesh(axis_name)
-  config = _checked(config, m=m, k_shard=k_shard, n=n, dtype=x.dtype, num_devices=num_devices)
+  config = _checked(config, m=m, k_shard=k_shard, n=n, dtype=x.dtype, num_devices=num_devices,
+                    unverified=unverified)
   chunk = m // num_devices
   out_type = (jax.ShapeDtypeStruct((chunk, n), x.dtype),)
   if num_devices > 1:
@@ -305,7 +335,9 @@ def rank_alone(x, w, *, num_devices: int, rank: int = 0, config: Config | None =
                      f"num_devices, got {num_devices=}, {rank=}")
   m, k_shard = x.shape
   n = w.shape[1]
-  config = _checked(config, m=m, k_shard=k_shard, n=n, dtype=x.dtype, num_devices=num_devices)
+  # No peers, so nothing to stall on: nvlink_unverified does not apply.
+  config = _checked(config, m=m, k_shard=k_shard, n=n, dtype=x.dtype, num_devices=num_devices,
+                    unverified=True)
   chunk = m // num_devices
   out_type = (jax.ShapeDtypeStruct((chunk, n), x.dtype),
               *_exchange_buffers((), num_devices, chunk, n, config))
