@@ -208,16 +208,20 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
             idx = where.staged(o - 1, tile, wg_idx) if pull else where.arrived(tile, wg_idx)
             transport.signal(sems, rank, o, idx)
 
+      def store_sub(i, sub, smem, dst_ref, add=False):
+        """Epilogue sub-tile i (epi_tiles order) -> its place in dst_ref [tile_m, tile_n]
+        through the double-buffered SMEM slots of `smem`; `add`: TMA-added onto what it holds."""
+        mi, ni = epi_tiles[i]
+        slot = i % num_out_slots
+        plgpu.wait_smem_to_gmem(num_out_slots - 1, wait_read_only=True)
+        smem[wg_idx, slot] = sub
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(smem.at[wg_idx, slot], dst_ref.at[epi_slices(mi, ni)],
+                                reduction_op="add" if add else None)
+
       def store_tile(subs, smem, dst_ref, add=False):
-        """Epilogue sub-tiles `subs` (in epi_tiles order) -> dst_ref [tile_m, tile_n] through
-        the double-buffered SMEM slots of `smem`; `add`: TMA-added onto what dst_ref holds."""
-        for i, (mi, ni) in enumerate(epi_tiles):
-          slot = i % num_out_slots
-          plgpu.wait_smem_to_gmem(num_out_slots - 1, wait_read_only=True)
-          smem[wg_idx, slot] = subs[i]
-          plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(smem.at[wg_idx, slot], dst_ref.at[epi_slices(mi, ni)],
-                                  reduction_op="add" if add else None)
+        for i, sub in enumerate(subs):
+          store_sub(i, sub, smem, dst_ref, add)
 
       def owner_wait(tile):
         """Until the own tile `tile`'s D - 1 partials have landed (receive slots; tma_add: the
@@ -231,10 +235,12 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
             else:
               transport.wait(sems, rank, where.arrived(tile, wg_idx), d - 1)
 
-      def reduce_tile(acc, tile, slices):
-        """The own tile's sum of all D partials -> out_dtype sub-tiles (config.owner_sum):
-        "fp32": acc (f32) + the received partials in slot order, rounded once;
-        "bf16_ring": the unfused path's arithmetic, schedule.ring_slots."""
+      def reduce_tile(acc, tile, slices, emit):
+        """The own tile's sum of all D partials, each out_dtype sub-tile handed to emit(i, sub)
+        as soon as it is summed (config.owner_sum): "fp32": acc (f32) + the received partials
+        in slot order, rounded once; "bf16_ring": the unfused path's arithmetic,
+        schedule.ring_slots. Emitting as it goes keeps no summed tile live beside acc (with
+        D - 1 > 1 partials, holding them spilled registers: BUILD_NOTES 2026-12-01)."""
         owner_wait(tile)
         loads = [(mi, ni, j) for mi, ni in epi_tiles for j in slot_order]
         if not reduce_on:
@@ -258,8 +264,7 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
         for i in range(min(stages, len(loads))):
           issue(i)
         i = 0
-        summed = []
-        for mi, ni in epi_tiles:
+        for e, (mi, ni) in enumerate(epi_tiles):
           sm, sn = epi_slices(mi, ni)
           own = acc[sm, sn]
           run = None  # bf16_ring: the running bf16 sum (held in f32)
@@ -274,8 +279,7 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
               issue(i + stages)
             i += 1
           own = _finish_sum(own, run, ring=ring, out_dtype=out_dtype)
-          summed.append(own.astype(out_dtype))
-        return summed
+          emit(e, own.astype(out_dtype))
 
       def deferred(step, offset):
         """Whether this warpgroup's tile at `step` (for the peer at `offset`) is announced at
@@ -314,13 +318,14 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
             @jax.named_scope("own_epilogue")
             def _own():
               if d > 1 and not tma_add:
-                summed = reduce_tile(acc_ref[...], tile, slices)
+                reduce_tile(acc_ref[...], tile, slices,
+                            lambda i, sub: store_sub(i, sub, out_smem, out_gmem.at[slices]))
               else:
                 if tma_add:  # The ring's one rounded add, done by TMA: bf16(peer + bf16(own)).
                   owner_wait(tile)
                 acc = acc_ref[...].astype(out_dtype)
-                summed = [acc[epi_slices(mi, ni)] for mi, ni in epi_tiles]
-              store_tile(summed, out_smem, out_gmem.at[slices], add=tma_add and reduce_on)
+                store_tile([acc[epi_slices(mi, ni)] for mi, ni in epi_tiles], out_smem,
+                           out_gmem.at[slices], add=tma_add and reduce_on)
 
             if d > 1:
               @pl.when(jnp.logical_not(is_own))
