@@ -98,7 +98,7 @@ def main(argv):
   if "check" in _WHAT.value:
     sc = _SCALE.value
     cases = [("nvlink", d_nv, 512 * d_nv, 1024 // sc, 2048 // sc),
-             ("nvlink", d_nv, 256 * d_nv, 768 // sc, 1536 // sc)]
+             ("nvlink", d_nv, 256 * d_nv, 1536 // sc, 1536 // sc)]  # n: 128 | n // sc
     cases += [("loopback", d, 128 * d * 2, 1024 // sc, 512 // sc) for d in (2, 4, 8)]
     for transport, d, m, n, k_shard in cases:
       if transport == "nvlink" and d < 2:
