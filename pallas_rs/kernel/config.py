@@ -415,9 +415,9 @@ def default_config(*, m: int, n: int, k_shard: int, num_devices: int,
   partial_dtype, owner_sum = NUMERICS_MODES[default_numerics(num_devices)]
   tma_add = tma_add_runs(num_devices, owner_sum)
   # The M split only with the TMA add (or at D = 1): without it, it has not completed over
-  # NVLink (fused.nvlink_unverified); alone at D = 4 / 8 the N split costs 0-1% where the CTA
-  # tile is the same, 15-22% at M = 512 (D = 4) and 1.6-1.9x where it replaces a pair
-  # (D = 8 M = 512) (BUILD_NOTES 2026-12-01, seventh session).
+  # NVLink (fused.nvlink_unverified). One rank alone, GEMM core: the N split of the same CTA
+  # tile 0.95-1.01x, Mixtral M = 512 at D = 4 (no 128 x 192) 1.15-1.22x, D = 8 M = 512 (no
+  # pairs) 1.5-1.9x (BUILD_NOTES 2026-12-01, seventh session).
   m_split = tma_add or num_devices == 1
   tiles = _default_tiles(chunk, n, num_devices, num_sms, m_split)
   if tiles is None:
