@@ -18,6 +18,7 @@
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh owner    # D = 2, all 32 shapes: each entry with/without the TMA add
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh alone    # one GPU is enough: one rank's program alone
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh stall    # each warpgroup split with/without the TMA add, hangs isolated
+#   OUT=/tmp/mg bash experiments/run_multi_gpu.sh stall_which   # the split or the 256-column wgmma: which stalls
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh stall_ablate  # the stalled config without the owner's wait / sum
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh stall_loopback  # one GPU: its code dumped, loopback D = 2/4/8
 set -uo pipefail
@@ -158,6 +159,18 @@ mixtral8x22b_w2_m512,llama70b_o_proj_m2048,mixtral8x22b_o_proj_m2048 \
       --variant=t64x256_wm_noadd --m=2048 --nk=8192x8192 --stress_calls=4 --case_timeout_s=60 \
       --out="$out/stall_loopback.json" 2>&1 | tee "$out/stall_loopback.log" | quiet \
       | grep -E '^\{|^loopback|Timeout|File' | head -16 ;;
+  stall_which)
+    # Which feature of the stalled config stalls (after `stall`, if t64x256_wm_noadd stalled
+    # again): the M split with 128-column wgmma tiles (t64x128_wm: 128 x 128 CTA tiles) and
+    # 256-column wgmma tiles along N (t64x256_wn: 64 x 512, a 2-step pipeline), both without
+    # the add, at Llama o_proj M = 2048; one process each. What stalls is what
+    # fused.nvlink_unverified must keep refusing; what runs, it can let through.
+    for v in t64x128_wm_noadd t64x256_wn_noadd; do
+      echo "== $v"
+      timeout 120 python3 experiments/multi_gpu_check.py --variant=$v --m=2048 --unverified \
+        --nk=8192x8192 --stress_calls=10 --case_timeout_s=50 --out="$out/stall_which_$v.json" \
+        2>&1 | tee "$out/stall_which_$v.log" | quiet | grep -E '^\{|^nvlink|Timeout|File' | head -16
+    done ;;
   stall_ablate)
     # Which wait stalls (after `stall`): the stalled config at Llama o_proj M = 2048 with the
     # owner's wait or its sum (loads + adds) left out, one process each, ptxas register and
@@ -201,6 +214,6 @@ mixtral8x22b_w2_m512,llama70b_o_proj_m2048,mixtral8x22b_o_proj_m2048 \
         2>&1 | tee "$out/stall_loopback_$v.log" | quiet | grep -E '^\{|^loopback|Timeout|File' \
         | cut -c1-200 | head -12
     done ;;
-  *) echo "usage: $0 check|sweep|proxy8|ablate|probe|numerics|model|roofline|mesh2d|smallm|smallm_proxy8|timeline|tiles|owner|ag|alone|stall|stall_ablate|stall_loopback" >&2
+  *) echo "usage: $0 check|sweep|proxy8|ablate|probe|numerics|model|roofline|mesh2d|smallm|smallm_proxy8|timeline|tiles|owner|ag|alone|stall|stall_which|stall_ablate|stall_loopback" >&2
      exit 2 ;;
 esac
