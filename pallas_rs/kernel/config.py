@@ -282,6 +282,14 @@ def tma_add_runs(num_devices: int, owner_sum: str) -> bool:
   return num_devices == 2 and owner_sum == "bf16_ring"
 
 
+def nvlink_has_run(tile_n: int, wg_dimension, tma_add: bool, num_devices: int) -> bool:
+  """Whether warpgroup tiles like these have run over NVLink (fused.nvlink_unverified says why
+  the others are refused): anything at D = 1 (no NVLink) or with the TMA add; without it, tiles
+  side by side along N of at most 128 columns."""
+  return (num_devices == 1 or tma_add
+          or (MatmulDimension(wg_dimension) == MatmulDimension.N and tile_n <= 128))
+
+
 def default_numerics(num_devices: int) -> str:
   """The numerics mode (NUMERICS_MODES) that keeps the seed's error rule at this D, at the
   fewest bytes (docs/design.md section 5).
@@ -371,14 +379,14 @@ _DEFAULT_TILES = {(64, 256, MatmulDimension.M): 1.0, (64, 192, MatmulDimension.M
                   (64, 64, MatmulDimension.N): 1.55, (64, 64, MatmulDimension.M): 1.6}
 
 
-def _default_tiles(chunk: int, n: int, num_devices: int, num_sms: int, m_split: bool):
+def _default_tiles(chunk: int, n: int, num_devices: int, num_sms: int, tma_add: bool):
   """The CTA tile of least modelled time: waves (the D chunks' tiles over num_sms CTAs, rounded
   up) x tile area x its relative cost (_DEFAULT_TILES); ties go to the earlier tile. A 128-row
   tile over a pair of 64-row chunks (schedule.chunk_group) counts as one tile of the pair.
-  `m_split`: whether the warpgroups may split along M."""
+  Only tiles NVLink has run with or without `tma_add` (nvlink_has_run)."""
   best = None
   for (tile_m, tile_n, wg), slowdown in _DEFAULT_TILES.items():
-    if wg == MatmulDimension.M and not m_split:
+    if not nvlink_has_run(tile_n, wg, tma_add, num_devices):
       continue
     cta_m, cta_n = cta_tile(tile_m, tile_n, wg)
     group = schedule.chunk_group(chunk, tile_m, wg == MatmulDimension.M, num_devices)
@@ -415,12 +423,12 @@ def default_config(*, m: int, n: int, k_shard: int, num_devices: int,
   partial_dtype, owner_sum = NUMERICS_MODES[default_numerics(num_devices)]
   tma_add = tma_add_runs(num_devices, owner_sum)
   # The M split only with the TMA add (or at D = 1): without it, it has not completed over
-  # NVLink (fused.nvlink_unverified). One rank alone, GEMM core: the N split of the same CTA
+  # NVLink (nvlink_has_run). One rank alone, GEMM core: the N split of the same CTA
   # tile 0.95-1.01x, Mixtral M = 512 at D = 4 (no 128 x 192) 1.15-1.22x, D = 8 M = 512 (no
   # pairs) 1.5-1.9x (BUILD_NOTES 2026-12-01, seventh session).
-  m_split = tma_add or num_devices == 1
-  tiles = _default_tiles(chunk, n, num_devices, num_sms, m_split)
+  tiles = _default_tiles(chunk, n, num_devices, num_sms, tma_add)
   if tiles is None:
+    m_split = nvlink_has_run(64, MatmulDimension.M, tma_add, num_devices)
     raise NotImplementedError(
         f"{n=} is not a multiple of 128, which the warpgroups side by side along N need, "
         + (f"and m // num_devices = {chunk} not of 128 (a 64-row tile needs 128 columns)"

@@ -44,8 +44,8 @@ def nvlink_unverified(config: Config, num_devices: int) -> str | None:
   between the split and the 256-column wgmma. So without the add NVLink runs what it has run:
   the N split with warpgroup tiles of at most 128 columns (with the add, both the M split's 128
   x 256 and 128 x 192 ran). Lift this once `run_multi_gpu.sh stall` has found the cause."""
-  if num_devices > 1 and not config.tma_add and (
-      config.wg_dimension == config_lib.MatmulDimension.M or config.tile_n > 128):
+  if not config_lib.nvlink_has_run(config.tile_n, config.wg_dimension, config.tma_add,
+                                    num_devices):
     return (f"warpgroup tiles of {config.tile_m} x {config.tile_n} side by side along "
             f"{config.wg_dimension.name} without the TMA add have not run over NVLink (the M "
             "split of 128 x 256 stalled 3 of 3 tries on two H200s, cause open: BUILD_NOTES "

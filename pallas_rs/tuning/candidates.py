@@ -217,6 +217,8 @@ def search_space(*, m: int, n: int, k_shard: int, num_devices: int,
       continue
     if tma_add and recv_stages != 2:  # (they allocate nothing: the same kernel)
       continue
+    if not config_lib.nvlink_has_run(tile_n, wg, tma_add, num_devices):
+      continue  # NVLink refuses it (fused.nvlink_unverified): nothing to measure
     cfg = Config(tile_m=tile_m, tile_n=tile_n, tile_k=64, max_concurrent_steps=steps,
                  epi_tile_m=64, epi_tile_n=config_lib.epi_tile_n_for(tile_n, partial_dtype),
                  wg_dimension=wg,
