@@ -10,7 +10,9 @@ config_variants.variant_config applied to the config "fused" runs for the shape:
 table's, else the default), times (CUPTI device time, median of --iterations) the fused kernel
 as is and with `ablate` = "comm" (peer tiles stored locally, no signals or waits), "reduce" (no
 loads and adds of received partials), both ("neither": the GEMM core and its local epilogue),
-or "no_add" ("comm" with the owner's partials loaded but not read into registers and added);
+or "no_add" ("comm" with the owner's partials loaded but not read into registers and added),
+or "moves" / "moves_no_store" (no mainloop: with comm CTAs, their rate inside the kernel, GB/s
+per comm CTA; without storing what they pulled);
 plus XLA's dot alone (T_gemm) and dot + psum_scatter (T_seq).
 Differences give the exposed cost of each stage (BUILD_NOTES "What to try first"). On several
 GPUs this runs the NVLink path over all of them (D = GPU count); on one GPU the loopback at
@@ -53,7 +55,10 @@ _UNVERIFIED = flags.DEFINE_bool("unverified", False, "NVLink: also run configs t
 
 VARIANTS = {"fused": (), "no_comm": ("comm",), "no_reduce": ("reduce",),
             "neither": ("comm", "reduce"), "no_add": ("comm", "owner_add"),
-            "no_owner_wait": ("owner_wait",)}
+            "no_owner_wait": ("owner_wait",),
+            # The data movement alone (no mainloop): with comm CTAs, their rate inside the
+            # kernel (row "comm_gbps_per_cta"); "_no_store": a pulling CTA's loads alone.
+            "moves": ("gemm",), "moves_no_store": ("gemm", "recv_store")}
 _ABLATIONS = flags.DEFINE_list("ablations", ["fused", "no_comm", "no_reduce", "neither"],
                                f"Which of {list(VARIANTS)}.")
 
@@ -154,9 +159,17 @@ def main(argv):
     for label in fns:
       if label.endswith("fused"):  # every unablated kernel's output is checked
         row.setdefault("max_rel_error", {})[label] = check(fns[label](*args))
+      cname, _, variant = label.rpartition(":")
+      cfg = variant_config(base, cname or "table")
+      if variant.startswith("moves") and cfg.comm_ctas:  # bytes one rank's comm CTAs move
+        moved = (d - 1) * (m // d) * n * cfg.partial_itemsize
+        row.setdefault("comm_gbps_per_cta", {})[label] = (
+            moved / (statistics.median(row["times_us"][label]) * 1e3) / cfg.comm_ctas)
     rows.append(row)
     med = {k: statistics.median(v) for k, v in row["times_us"].items()}
     print(name, {k: round(v, 1) for k, v in med.items()}, flush=True)
+    if row.get("comm_gbps_per_cta"):
+      print("  GB/s per comm CTA:", {k: round(v, 1) for k, v in row["comm_gbps_per_cta"].items()})
     save()  # After every shape: a run cut short keeps what it measured.
 
   print(f"\n{'shape':32} {'D':>2} {'config':>10} {'variant':>10} {'us':>9} {'/ xla_gemm':>10}")
