@@ -27,7 +27,8 @@ def variant_config(base, name: str):
   slots), tMxN (warpgroup tile M x N: tile_m, tile_n), wm / wn (the two warpgroup tiles side by
   side along M / N: config.wg_dimension), sK (K pipeline steps), rK (K receive prefetch stages
   of the owner's sum: recv_stages), eK (epilogue sub-tiles K columns wide), tadd (the owner's
-  sum by TMA add: tma_add, D = 2 in the ring's numerics), noadd (tma_add off), f32 / bf16
+  sum by TMA add: tma_add, D = 2 in the ring's numerics), noadd (tma_add off), il / st (the
+  remote steps interleaved tile by tile / one after the other: interleave_steps), f32 / bf16
   (partial dtype), ring (numerics mode "unfused_order"); then fitted to SMEM at D = 2
   (`config.fit_smem`). "table" is accepted as a no-op (the base is the table's config)."""
   from pallas_rs.kernel import config as config_lib  # pylint: disable=g-import-not-at-top
@@ -45,6 +46,8 @@ def variant_config(base, name: str):
                                 epi_tile_n=min(cfg.epi_tile_n, tile_n))
     elif token in ("tadd", "noadd"):
       cfg = dataclasses.replace(cfg, tma_add=token == "tadd")
+    elif token in ("il", "st"):
+      cfg = dataclasses.replace(cfg, interleave_steps=token == "il")
     elif token in ("wm", "wn"):
       cfg = dataclasses.replace(cfg, wg_dimension=config_lib.MatmulDimension[token[1].upper()])
     elif token[0] == "s" and token[1:].isdigit():

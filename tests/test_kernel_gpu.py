@@ -222,6 +222,30 @@ def test_warpgroup_split_changes_no_bit(d, numerics):
     helpers.assert_same_bits(*(f(xs, ws) for f in fns), call)
 
 
+# The remote steps walked tile by tile (Config.interleave_steps) change only when each tile is
+# computed, not what it adds: every output bit as with the step-major walk, at D = 3/4/8, with
+# the direct push (one-row chunks: the shapes it is for), pulling comm CTAs and pairs.
+@pytest.mark.parametrize("d,m,comm", [(3, 192, {}), (4, 512, {}), (8, 512, {}),
+                                      (4, 1024, dict(comm_ctas=2, comm_mode="pull")),
+                                      (8, 512, dict(tile_m=64, tile_n=256,
+                                                    wg_dimension=_WG_M))])
+def test_interleaved_steps_change_no_bit(d, m, comm):
+  n, k_shard = 1024, 512
+  base = dataclasses.replace(config_lib.default_config(m=m, n=n, k_shard=k_shard,
+                                                       num_devices=d), **comm)
+  base = config_lib.fit_smem(base, d)
+  cfgs = [dataclasses.replace(base, interleave_steps=flag) for flag in (False, True)]
+  fns = [jax.jit(functools.partial(fused.loopback_matmul_reduce_scatter, config=c))
+         for c in cfgs]
+  for call in range(3):
+    xs, ws = testing.stacked_inputs(14000 + 10 * d + call, d, m, k_shard, n)
+    want, got = (np.asarray(f(xs, ws)) for f in fns)
+    helpers.assert_same_bits(want, got, call)
+    ref = testing.stacked_reference(xs, ws)
+    assert reference.max_rel_error(got, ref) <= 1.1 * reference.max_rel_error(
+        _unfused_ring(xs, ws), ref)
+
+
 def test_tma_add_back_to_back_calls():
   # A TMA add issued before the peer's partial landed, or a partial landing on an added tile,
   # would move the output from call to call: 100 calls alternating two shapes, fresh inputs,

@@ -133,6 +133,7 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
   first_eager = schedule.first_eager_step(d, config.eager_signal_steps)
   ring = config.owner_sum == "bf16_ring" and d > 1
   slot_order = schedule.ring_slots(d) if ring else tuple(range(d - 1))
+  walk = lambda lin: schedule.step_and_tile(lin, tiles, steps, config.interleave_steps)
   cta = lax.axis_index("cluster_grid")
   num_ctas = lax.axis_size("cluster_grid")
 
@@ -289,7 +290,7 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
         return lazy & (step != steps - 1) if pairs else lazy
 
       def tile_body(lin_idx, local_step):
-        step, tile = schedule.step_and_tile(lin_idx, tiles)
+        step, tile = walk(lin_idx)
         offset = schedule.wg_offset(rank, step, wg_idx, d, group)  # This warpgroup's peer.
         first_dst = schedule.wg_dst(rank, step, 0, d, group)  # The tile's first chunk.
         (m_idx, n_idx), slices = tile_slices(tile, wg_idx)
@@ -306,7 +307,7 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
             # The previous tile's stores had this tile's whole mainloop to land.
             plgpu.wait_smem_to_gmem(0, wait_read_only=False)
             if d > 1 and comm_on:
-              prev_step, prev_tile = schedule.step_and_tile(lin_idx - num_compute, tiles)
+              prev_step, prev_tile = walk(lin_idx - num_compute)
               prev_offset = schedule.wg_offset(rank, prev_step, wg_idx, d, group)
               @pl.when((local_step > 0) & deferred(prev_step, prev_offset))
               def _():
@@ -379,8 +380,7 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
       # Announce this CTA's last tile if it went to a peer with a deferred signal.
       plgpu.wait_smem_to_gmem(0, wait_read_only=False)
       if d > 1 and comm_on:
-        last_step, last_tile = schedule.step_and_tile(cta_index + (count - 1) * num_compute,
-                                                      tiles)
+        last_step, last_tile = walk(cta_index + (count - 1) * num_compute)
         last_offset = schedule.wg_offset(rank, last_step, wg_idx, d, group)
         @pl.when((wg_idx < _NUM_COMPUTE_WGS) & (count > 0) & deferred(last_step, last_offset))
         def _():

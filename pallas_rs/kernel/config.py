@@ -98,6 +98,8 @@ class Config:
     tma_add: the peer's partial lands in the owner's output (direct push or comm CTAs) and the
       owner TMA-adds its own bf16 partial onto it: the same bits, nothing loaded, no receive
       buffer (D = 2 with "bf16_ring" only: tma_add_runs; docs/design.md section 3.5).
+    interleave_steps: the remote steps walked tile by tile, step fastest (the own step still
+      last; schedule.step_and_tile): a wave reads fewer columns of w where a step is one row.
   """
   tile_m: int = 128
   tile_n: int = 128
@@ -117,6 +119,7 @@ class Config:
   owner_sum: str = "fp32"
   comm_mode: str = "push"
   tma_add: bool = False
+  interleave_steps: bool = False
 
   def __post_init__(self):
     tile_m, tile_n, tile_k = self.tile_m, self.tile_n, self.tile_k
@@ -156,8 +159,9 @@ class Config:
     if self.owner_sum == "bf16_ring" and self.partial_dtype != "bfloat16":
       raise ValueError(f"owner_sum='bf16_ring' adds bf16 partials; partial_dtype="
                        f"{self.partial_dtype!r} must be 'bfloat16'")
-    if not isinstance(self.tma_add, bool):
-      raise ValueError(f"tma_add={self.tma_add!r} must be a bool")
+    for flag in ("tma_add", "interleave_steps"):
+      if not isinstance(getattr(self, flag), bool):
+        raise ValueError(f"{flag}={getattr(self, flag)!r} must be a bool")
     if self.tma_add and self.owner_sum != "bf16_ring":
       raise ValueError(f"tma_add adds bf16 onto bf16; owner_sum={self.owner_sum!r} must be "
                        "'bf16_ring' (numerics mode 'unfused_order')")
@@ -423,9 +427,8 @@ def default_config(*, m: int, n: int, k_shard: int, num_devices: int,
   partial_dtype, owner_sum = NUMERICS_MODES[default_numerics(num_devices)]
   tma_add = tma_add_runs(num_devices, owner_sum)
   # The M split only with the TMA add (or at D = 1): without it, it has not completed over
-  # NVLink (nvlink_has_run). One rank alone, GEMM core: the N split of the same CTA
-  # tile 0.95-1.01x, Mixtral M = 512 at D = 4 (no 128 x 192) 1.15-1.22x, D = 8 M = 512 (no
-  # pairs) 1.5-1.9x (BUILD_NOTES 2026-12-01, seventh session).
+  # NVLink (nvlink_has_run); alone, the N split of the same CTA tile costs 0-5% (seventh
+  # session), Mixtral M = 512 at D = 4 (no 128 x 192) 15-22% (BUILD_NOTES 2026-12-01).
   tiles = _default_tiles(chunk, n, num_devices, num_sms, tma_add)
   if tiles is None:
     m_split = nvlink_has_run(64, MatmulDimension.M, tma_add, num_devices)
@@ -439,6 +442,9 @@ def default_config(*, m: int, n: int, k_shard: int, num_devices: int,
                epi_tile_n=epi_tile_n_for(tile_n, partial_dtype), wg_dimension=wg, num_sms=num_sms,
                partial_dtype=partial_dtype, owner_sum=owner_sum)
   cfg = _largest_steps(cfg, num_devices)
-  cfg = dataclasses.replace(cfg, tma_add=tma_add)  # steps as measured
+  # One row of CTA tiles per chunk: interleaved, a wave reads fewer columns of w (a D = 8
+  # M = 512 rank's GEMM core 17-22% faster alone: BUILD_NOTES 2026-12-01, eighth session).
+  cfg = dataclasses.replace(cfg, tma_add=tma_add,  # steps as measured
+                            interleave_steps=num_devices > 2 and chunk == cfg.cta_tile_m)
   cfg.check_shape(m=m, n=n, k_shard=k_shard, num_devices=num_devices)
   return cfg

@@ -34,6 +34,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax.numpy as jnp
+
 NUM_COMPUTE_WGS = 2
 # Tiles a comm warpgroup keeps in flight before it waits for the oldest to land and signals it.
 COMM_SIGNAL_LAG = 4
@@ -80,8 +82,25 @@ class SemLayout:
     return self.num_devices - 1 + step, tile, wg
 
 
-def step_and_tile(lin_idx: Any, tiles_per_chunk: int) -> tuple[Any, Any]:
-  return lin_idx // tiles_per_chunk, lin_idx % tiles_per_chunk
+def step_and_tile(lin_idx: Any, tiles_per_chunk: int, steps: int = 1,
+                  interleave: bool = False) -> tuple[Any, Any]:
+  """(step, tile) of linear index `lin_idx` in a rank's walk over `steps` steps.
+
+  Step-major by default: step lin // tiles_per_chunk. `interleave` (Config.interleave_steps):
+  the remote steps (all but the last) tile by tile, step fastest (lin -> step lin % (steps - 1),
+  tile lin // (steps - 1)), then the own step as before; the own chunk stays last, and a wave
+  of CTAs covers 1 / (steps - 1) as many tiles of each step, so it reads as much fewer columns
+  of w where a step is one row of tiles (BUILD_NOTES 2026-12-01, eighth session)."""
+  if not interleave or steps <= 2:
+    return lin_idx // tiles_per_chunk, lin_idx % tiles_per_chunk
+  remote = (steps - 1) * tiles_per_chunk
+  own_tile = lin_idx - remote
+  if isinstance(lin_idx, int):
+    return ((lin_idx % (steps - 1), lin_idx // (steps - 1)) if lin_idx < remote
+            else (steps - 1, own_tile))
+  is_remote = lin_idx < remote
+  return (jnp.where(is_remote, lin_idx % (steps - 1), steps - 1),
+          jnp.where(is_remote, lin_idx // (steps - 1), own_tile))
 
 
 def chunk_group(chunk: int, tile_m: int, wg_along_m: bool, num_devices: int) -> int:
@@ -180,10 +199,12 @@ def cta_tiles(cta: int, num_ctas: int, num_devices: int, tiles_per_chunk: int) -
 
 def cta_program(rank: int, cta: int, *, num_ctas: int, num_devices: int,
                 tiles_per_chunk: int, eager_signal_steps: int = 0,
-                comm_ctas: int = 0, pull: bool = False, group: int = 1) -> list[Event]:
+                comm_ctas: int = 0, pull: bool = False, group: int = 1,
+                interleave: bool = False) -> list[Event]:
   """The ordered events of CTA `cta` of `num_ctas` (a rank's whole grid), mirroring body.py.
   Events name the CTA by its grid index; a compute CTA picks its tiles by its index among the
-  compute CTAs. `group`: chunks per CTA tile (`chunk_group`; 2 only with the direct push)."""
+  compute CTAs. `group`: chunks per CTA tile (`chunk_group`; 2 only with the direct push);
+  `interleave`: the walk of step_and_tile."""
   d = num_devices
   staged = bool(comm_ctas) and d > 1
   if staged and cta < comm_ctas:
@@ -206,7 +227,7 @@ def cta_program(rank: int, cta: int, *, num_ctas: int, num_devices: int,
 
   events, prev = [], []
   for lin in cta_tiles(cta - first, num_ctas - first, num_steps(d, group), tiles_per_chunk):
-    step, tile = step_and_tile(lin, tiles_per_chunk)
+    step, tile = step_and_tile(lin, tiles_per_chunk, last + 1, interleave)
     events.append(Event("compute", rank, cta, step, tile, wg_dst(rank, step, 0, d, group)))
     events += [announce(e) for e in prev if deferred(e)]
     prev = []
@@ -320,7 +341,7 @@ def comm_reuse_wait(sets: int) -> int:
 
 def simulate(*, num_ctas: int, num_devices: int, tiles_per_chunk: int,
              eager_signal_steps: int = 0, comm_ctas: int = 0,
-             pull: bool = False, group: int = 1) -> dict[str, Any]:
+             pull: bool = False, group: int = 1, interleave: bool = False) -> dict[str, Any]:
   """Runs every CTA of every rank as a sequential process, round-robin.
 
   Models the co-resident persistent grid the kernel requires (fused.check_supported keeps
@@ -336,7 +357,7 @@ def simulate(*, num_ctas: int, num_devices: int, tiles_per_chunk: int,
   programs = {(r, c): cta_program(r, c, num_ctas=num_ctas, num_devices=d,
                                   tiles_per_chunk=tiles_per_chunk,
                                   eager_signal_steps=eager_signal_steps, comm_ctas=comm_ctas,
-                                  pull=pull, group=group)
+                                  pull=pull, group=group, interleave=interleave)
               for r in range(d) for c in range(num_ctas)}
   pcs = {key: 0 for key in programs}
   sems: dict[tuple, int] = {}

@@ -110,7 +110,7 @@ def config_from_json(obj: Mapping[str, Any]):
       if not isinstance(value, str):
         raise ValueError(f"config field {name}={value!r} must be a string")
       continue
-    if name == "tma_add":
+    if name in ("tma_add", "interleave_steps"):
       if not isinstance(value, bool):
         raise ValueError(f"config field {name}={value!r} must be a bool")
       continue
