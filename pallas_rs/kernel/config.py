@@ -442,9 +442,8 @@ def default_config(*, m: int, n: int, k_shard: int, num_devices: int,
                epi_tile_n=epi_tile_n_for(tile_n, partial_dtype), wg_dimension=wg, num_sms=num_sms,
                partial_dtype=partial_dtype, owner_sum=owner_sum)
   cfg = _largest_steps(cfg, num_devices)
-  # One row of CTA tiles per chunk: interleaved, a wave reads fewer columns of w (a D = 8
-  # M = 512 rank's GEMM core 17-22% faster alone: BUILD_NOTES 2026-12-01, eighth session).
-  cfg = dataclasses.replace(cfg, tma_add=tma_add,  # steps as measured
-                            interleave_steps=num_devices > 2 and chunk == cfg.cta_tile_m)
+  cfg = dataclasses.replace(  # steps as measured
+      cfg, tma_add=tma_add,
+      interleave_steps=schedule.interleave_pays(chunk, cfg.cta_tile_m, num_devices))
   cfg.check_shape(m=m, n=n, k_shard=k_shard, num_devices=num_devices)
   return cfg

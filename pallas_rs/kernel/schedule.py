@@ -103,6 +103,14 @@ def step_and_tile(lin_idx: Any, tiles_per_chunk: int, steps: int = 1,
           jnp.where(is_remote, lin_idx // (steps - 1), own_tile))
 
 
+def interleave_pays(chunk: int, cta_tile_m: int, num_devices: int) -> bool:
+  """Whether the interleaved walk (step_and_tile) is the default: D > 2 and a chunk of one row
+  of CTA tiles, where the step-major walk sweeps all of w in every wave (a D = 8 M = 512
+  rank's GEMM core 17-22% faster alone; two or more rows: no gain; BUILD_NOTES 2026-12-01,
+  eighth session)."""
+  return num_devices > 2 and chunk == cta_tile_m
+
+
 def chunk_group(chunk: int, tile_m: int, wg_along_m: bool, num_devices: int) -> int:
   """Row chunks one CTA tile spans: 2 where the warpgroups stack along M and each is a whole
   chunk high (a 128-row tile over the 64-row chunks of ranks 2p and 2p + 1, one warpgroup

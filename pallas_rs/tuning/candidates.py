@@ -16,6 +16,7 @@ import math
 from typing import Iterator
 
 from pallas_rs.kernel import config as config_lib
+from pallas_rs.kernel import schedule
 
 Config = config_lib.Config
 
@@ -226,6 +227,8 @@ def search_space(*, m: int, n: int, k_shard: int, num_devices: int,
                  num_sms=num_sms, eager_signal_steps=eager, comm_ctas=comm,
                  out_slots=out_slots, partial_dtype=partial_dtype, owner_sum=owner_sum,
                  tma_add=tma_add)
+    cfg = dataclasses.replace(cfg, interleave_steps=schedule.interleave_pays(  # As default.
+        m // num_devices, cfg.cta_tile_m, num_devices))
     try:
       cfg.check_shape(m=m, n=n, k_shard=k_shard, num_devices=num_devices)
     except NotImplementedError:
