@@ -8,7 +8,9 @@ rank first, its own chunk last (the stagger). A tile of a peer's chunk is TMA-st
 peer's receive slot `s` (so slot `j` of rank `r` holds the partial of source `(r - j - 1) % D`)
 and announced on the peer's semaphore `(t, wg)` once the store has landed. The own chunk's
 epilogue waits for `D - 1` signals on `(t, wg)`, then adds slots `0 .. D-2` in that order to
-its fp32 accumulator and rounds once.
+its fp32 accumulator and rounds once. With `interleave` (Config.interleave_steps, the default
+where a chunk is one row of CTA tiles) the remote steps are walked tile by tile instead, step
+fastest, and the own step still last (`step_and_tile`): same events, another order.
 
 A signal for a remote tile is sent lazily: at the start of the epilogue of the CTA's next tile
 (the store has had a whole mainloop to land), or after the loop for the CTA's last tile. The
