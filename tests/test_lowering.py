@@ -489,3 +489,19 @@ def test_pairs_lower(d):
     with pytest.raises(NotImplementedError, match="along M without the TMA add"):
       _export_shard_map(512, 8192, 8192, 8, config=cfg)
     _export_shard_map(512, 8192, 8192, 8, config=cfg, unverified=True)
+
+
+def test_interleaved_walk_reaches_the_kernel():
+  # The GPU test compares the two walks' bits, which would also agree if the flag never reached
+  # the kernel: here the lowered modules must differ where the walk does (D = 8) and be the
+  # same where it cannot (D = 2: one remote step).
+  def module(d, interleave):
+    m, n, k = 64 * d, 512, 256 * d
+    cfg = dataclasses.replace(
+        config_lib.default_config(m=m, n=n, k_shard=k // d, num_devices=d),
+        interleave_steps=interleave)
+    return _export_shard_map(m, n, k, d, config=cfg).mlir_module()
+
+  for d, differ in ((8, True), (2, False)):
+    on, off = (module(d, flag) for flag in (True, False))  # one call site: same locations
+    assert (on != off) == differ, d
