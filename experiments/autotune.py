@@ -378,9 +378,10 @@ def multi_gpu_candidates(*, m: int, n: int, k_shard: int, d: int) -> list:
   except NotImplementedError:
     return []
   if FLAGS.candidates == "tiles":
-    # The challengers with the owner's TMA add where it runs (D = 2 in the ring's numerics:
-    # the same bits, measured cheaper alone), the incumbent as it is.
-    tma_add = True if config_lib.tma_add_runs(d, base.owner_sum) else None
+    # The challengers with the owner's TMA add where it runs (config.tma_add_runs: the same
+    # bits, measured cheaper), the incumbent as it is.
+    tma_add = True if config_lib.tma_add_runs(d, base.owner_sum, base.comm_ctas,
+                                              base.comm_mode) else None
     cfgs = candidates.tile_variants(base, m=m, n=n, k_shard=k_shard, num_devices=d,
                                     tma_add=tma_add)
   elif FLAGS.candidates == "owner":

@@ -246,6 +246,47 @@ def test_interleaved_steps_change_no_bit(d, m, comm):
         _unfused_ring(xs, ws), ref)
 
 
+# tma_add at D > 2 (docs/design.md section 3.5): pulling comm CTAs store the first partial into
+# the output and TMA-add the others as they arrive, in ring order (the stagger's arrival order);
+# the owner TMA-adds its own. Every bit as the owner's epilogue summing the receive slots in
+# ring order (with comm CTAs and with the direct push), the error rule, and, over alternating
+# shapes and fresh inputs, no call that differs (an add out of order or before its partial
+# landed would move bits from call to call).
+@pytest.mark.parametrize("d,m,ctas", [(3, 768, 2), (4, 1024, 2), (4, 512, 4), (8, 1024, 2)])
+def test_ring_chain_of_comm_ctas_changes_no_bit(d, m, ctas):
+  n, k_shard = 1024, 512
+  direct = config_lib.fit_smem(config_lib.with_numerics(config_lib.default_config(
+      m=m, n=n, k_shard=k_shard, num_devices=d), "unfused_order", d), d)
+  slots = config_lib.fit_smem(dataclasses.replace(direct, comm_ctas=ctas, comm_mode="pull"), d)
+  added = dataclasses.replace(slots, tma_add=True)
+  for cfg in (direct, slots, added):  # All must run: a rejected config fails, not skips.
+    fused.check_supported(m=m, k_shard=k_shard, n=n, dtype=jnp.bfloat16, num_devices=d,
+                          config=cfg, loopback=True)
+  fns = [jax.jit(functools.partial(fused.loopback_matmul_reduce_scatter, config=c))
+         for c in (direct, slots, added)]
+  for call in range(3):
+    xs, ws = testing.stacked_inputs(15000 + 10 * d + call, d, m, k_shard, n)
+    want, via_slots, got = (np.asarray(f(xs, ws)) for f in fns)
+    helpers.assert_same_bits(want, via_slots, call)
+    helpers.assert_same_bits(want, got, call)
+    ref = testing.stacked_reference(xs, ws)
+    assert reference.max_rel_error(got, ref) <= 1.1 * reference.max_rel_error(
+        _unfused_ring(xs, ws), ref)
+
+
+def test_ring_chain_back_to_back_calls():
+  fns = {}
+  for d, m, ctas in ((4, 1024, 2), (8, 1024, 2)):
+    base = config_lib.fit_smem(config_lib.with_numerics(config_lib.Config(
+        comm_ctas=ctas, comm_mode="pull"), "unfused_order", d), d)
+    fns[d] = [jax.jit(functools.partial(fused.loopback_matmul_reduce_scatter, config=cfg))
+              for cfg in (base, dataclasses.replace(base, tma_add=True))]
+  for call in range(60):
+    d, m = (8, 1024) if call % 2 else (4, 1024)
+    xs, ws = testing.stacked_inputs(16000 + call, d, m, 512, 768)
+    helpers.assert_same_bits(*(f(xs, ws) for f in fns[d]), call)
+
+
 def test_tma_add_back_to_back_calls():
   # A TMA add issued before the peer's partial landed, or a partial landing on an added tile,
   # would move the output from call to call: 100 calls alternating two shapes, fresh inputs,

@@ -123,8 +123,12 @@ def test_tma_add_refusals():
   with pytest.raises(ValueError, match="owner_sum='fp32' must be 'bf16_ring'"):
     config_lib.Config(tma_add=True)
   ring = dict(owner_sum="bf16_ring", tma_add=True)
-  with pytest.raises(NotImplementedError, match="tma_add runs only at num_devices = 2"):
-    config_lib.Config(**ring).check_shape(m=1024, n=1024, k_shard=512, num_devices=4)
+  # At D > 2 only pulling comm CTAs add in a fixed order (docs/design.md section 3.5).
+  for kw in ({}, dict(comm_ctas=2), dict(comm_ctas=2, comm_mode="push")):
+    with pytest.raises(NotImplementedError, match="needs pulling comm CTAs"):
+      config_lib.Config(**ring, **kw).check_shape(m=1024, n=1024, k_shard=512, num_devices=4)
+  config_lib.Config(**ring, comm_ctas=2, comm_mode="pull").check_shape(
+      m=1024, n=1024, k_shard=512, num_devices=4)
   config_lib.Config(**ring, comm_ctas=2).check_shape(m=1024, n=1024, k_shard=512,
                                                      num_devices=2)  # comm CTAs land it too
   # Numerics transforms keep it only where the owner's sum stays the ring's.
@@ -435,6 +439,28 @@ def test_pull_comm_ctas_lower_in_loopback(d, numerics):
     jax.export.export(jax.jit(functools.partial(
         fused.loopback_matmul_reduce_scatter, config=cfg, ablate=ablate)), platforms=["cuda"])(
             xs, ws)
+
+
+@pytest.mark.parametrize("d", [4, pytest.param(8, marks=pytest.mark.slow)])
+def test_ring_chain_of_pulling_comm_ctas_lowers(d):
+  """tma_add at D > 2: pulling comm CTAs store the first partial into the output and TMA-add
+  the others in ring order; no receive buffer (loopback and NVLink where remote TMA loads
+  lower). The lowered kernel differs from the receive-slot one by its TMA adds."""
+  base = config_lib.with_numerics(config_lib.Config(comm_ctas=2, comm_mode="pull"),
+                                  "unfused_order", d)
+  xs = jax.ShapeDtypeStruct((d, 128 * d, 256), jnp.bfloat16)
+  ws = jax.ShapeDtypeStruct((d, 256, 512), jnp.bfloat16)
+  texts = {}
+  for add in (False, True):
+    cfg = dataclasses.replace(base, tma_add=add)
+    # The kernel's extra outputs: staging, and receive slots only without the add.
+    assert len(fused._exchange_buffers((d,), d, 128, 512, cfg)) == (1 if add else 2)
+    texts[add] = jax.export.export(jax.jit(functools.partial(
+        fused.loopback_matmul_reduce_scatter, config=cfg)), platforms=["cuda"])(
+            xs, ws).mlir_module()
+  assert "cp.reduce" in texts[True] and "cp.reduce" not in texts[False]
+  if fused.remote_tma_loads_supported():
+    _export_shard_map(128 * d, 512, 256 * d, d, config=dataclasses.replace(base, tma_add=True))
 
 
 def test_pull_over_nvlink_needs_remote_tma_loads():

@@ -5,6 +5,7 @@ import pytest
 
 from pallas_rs.kernel import config as config_lib
 from pallas_rs.kernel import schedule
+from pallas_rs.kernel import simulator
 from pallas_rs.bench import shapes
 
 SEEDS = shapes.select(tags="seed")
@@ -22,7 +23,7 @@ def _tiles(case, d):
 def _check(d, tiles, num_ctas, comm_ctas=0, eager=0, pull=False, group=1, interleave=False):
   if isinstance(tiles, tuple):
     tiles, group, interleave = tiles
-  result = schedule.simulate(num_ctas=num_ctas, num_devices=d, tiles_per_chunk=tiles,
+  result = simulator.simulate(num_ctas=num_ctas, num_devices=d, tiles_per_chunk=tiles,
                              comm_ctas=comm_ctas, eager_signal_steps=eager, pull=pull,
                              group=group, interleave=interleave)
   trace = result["trace"]
@@ -32,7 +33,7 @@ def _check(d, tiles, num_ctas, comm_ctas=0, eager=0, pull=False, group=1, interl
   assert len(computed) == d * schedule.num_steps(d, group) * tiles
   if comm_ctas and d > 1:  # ... on compute CTAs only (grid indices comm_ctas and up).
     assert all(e.cta >= comm_ctas for e in trace if e.kind == "compute")
-    assert not any(e.kind == "compute" for e in schedule.cta_program(
+    assert not any(e.kind == "compute" for e in simulator.cta_program(
         0, 0, num_ctas=num_ctas, num_devices=d, tiles_per_chunk=tiles, comm_ctas=comm_ctas))
   # Every output tile is produced (reduced) exactly once, by its owner.
   reduced = collections.Counter((e.rank, e.tile) for e in trace if e.kind == "reduce")
@@ -144,21 +145,21 @@ def test_interleaved_walk_is_the_default_for_one_row_chunks():
 
 
 def test_stagger_order():
-  # Rank r computes the chunk of r+1 first and its own chunk last.
-  events = schedule.cta_program(3, 0, num_ctas=1, num_devices=4, tiles_per_chunk=1)
+  # Rank r computes the chunk of r-1 first and its own chunk last.
+  events = simulator.cta_program(3, 0, num_ctas=1, num_devices=4, tiles_per_chunk=1)
   dsts = [e.dst for e in events if e.kind == "compute"]
-  assert dsts == [0, 1, 2, 3]
+  assert dsts == [2, 1, 0, 3]
 
 
 def test_signal_is_deferred_until_next_tile():
-  events = schedule.cta_program(0, 0, num_ctas=1, num_devices=2, tiles_per_chunk=2)
+  events = simulator.cta_program(0, 0, num_ctas=1, num_devices=2, tiles_per_chunk=2)
   kinds = [(e.kind, e.step, e.tile) for e in events]
   # The store of remote tile 0 is announced after tile 1's mainloop, not right after the store.
   assert kinds.index(("signal", 0, 0)) > kinds.index(("compute", 0, 1))
 
 
 def test_detects_missing_signal(monkeypatch):
-  orig = schedule.cta_program
+  orig = simulator.cta_program
 
   def drop_last_signal(*args, **kwargs):
     events = orig(*args, **kwargs)
@@ -167,9 +168,9 @@ def test_detects_missing_signal(monkeypatch):
       del events[idx]
     return events
 
-  monkeypatch.setattr(schedule, "cta_program", drop_last_signal)
+  monkeypatch.setattr(simulator, "cta_program", drop_last_signal)
   with pytest.raises(RuntimeError, match="deadlock"):
-    schedule.simulate(num_ctas=1, num_devices=2, tiles_per_chunk=2)
+    simulator.simulate(num_ctas=1, num_devices=2, tiles_per_chunk=2)
 
 
 @pytest.mark.parametrize("eager", [1, 2, 7, 20])
@@ -179,7 +180,7 @@ def test_eager_signal_variants(d, tiles, ctas, eager):
 
 
 def test_eager_signal_follows_the_store():
-  events = schedule.cta_program(0, 0, num_ctas=1, num_devices=2, tiles_per_chunk=2,
+  events = simulator.cta_program(0, 0, num_ctas=1, num_devices=2, tiles_per_chunk=2,
                                 eager_signal_steps=1)
   kinds = [(e.kind, e.step, e.tile) for e in events]
   # Step 0 is the last remote step at D = 2: each store is announced right away.
@@ -201,16 +202,16 @@ def test_comm_ctas(d, tiles, ctas, comm, eager, pull):
 
 def test_pull_exit_handshake_is_needed(monkeypatch):
   """Signalling 'done' before the pulls lets a peer exit while still being read: caught."""
-  real = schedule._pull_program  # pylint: disable=protected-access
+  real = simulator._pull_program  # pylint: disable=protected-access
 
   def early_done(*args, **kwargs):
     events = real(*args, **kwargs)
     done = [e for e in events if e.kind in ("signal_done", "wait_done")]
     return done + [e for e in events if e.kind not in ("signal_done", "wait_done")]
 
-  monkeypatch.setattr(schedule, "_pull_program", early_done)
+  monkeypatch.setattr(simulator, "_pull_program", early_done)
   with pytest.raises(RuntimeError, match="after it exited"):
-    schedule.simulate(num_ctas=8, num_devices=2, tiles_per_chunk=32, comm_ctas=2, pull=True)
+    simulator.simulate(num_ctas=8, num_devices=2, tiles_per_chunk=32, comm_ctas=2, pull=True)
 
 
 @pytest.mark.parametrize("sets", [1, 2, 3, 4])
@@ -241,21 +242,21 @@ def test_pull_buffer_reuse(sets, count):
 
 def test_comm_ctas_need_a_compute_cta():
   with pytest.raises(ValueError, match="leaves no compute CTA"):
-    schedule.simulate(num_ctas=4, num_devices=2, tiles_per_chunk=3, comm_ctas=4)
+    simulator.simulate(num_ctas=4, num_devices=2, tiles_per_chunk=3, comm_ctas=4)
 
 
 @pytest.mark.parametrize("pull", [False, True])
 def test_move_before_staging_is_caught(monkeypatch, pull):
   """The simulator's check is live: a comm CTA that skips its wait moves unstaged data."""
   name = "_pull_program" if pull else "_comm_program"
-  real = getattr(schedule, name)
+  real = getattr(simulator, name)
 
   def no_wait(*args, **kwargs):
     return [e for e in real(*args, **kwargs) if e.kind != "wait_staged"]
 
-  monkeypatch.setattr(schedule, name, no_wait)
+  monkeypatch.setattr(simulator, name, no_wait)
   with pytest.raises(RuntimeError, match="before it was staged"):
-    schedule.simulate(num_ctas=8, num_devices=2, tiles_per_chunk=32, comm_ctas=2, pull=pull)
+    simulator.simulate(num_ctas=8, num_devices=2, tiles_per_chunk=32, comm_ctas=2, pull=pull)
 
 
 @pytest.mark.parametrize("sets", [1, 2, 3, 4])
@@ -281,7 +282,7 @@ def test_comm_buffer_reuse_model_catches_a_short_wait():
 
 def test_delivery_before_landing_is_caught(monkeypatch):
   """A comm CTA that announces a batch before its stores land is caught by the simulator."""
-  real = schedule._comm_program  # pylint: disable=protected-access
+  real = simulator._comm_program  # pylint: disable=protected-access
 
   def early(*args, **kwargs):
     events = real(*args, **kwargs)
@@ -289,9 +290,9 @@ def test_delivery_before_landing_is_caught(monkeypatch):
     rest = [e for e in events if e.kind != "deliver"]
     return delivers + rest
 
-  monkeypatch.setattr(schedule, "_comm_program", early)
+  monkeypatch.setattr(simulator, "_comm_program", early)
   with pytest.raises(RuntimeError, match="before it landed"):
-    schedule.simulate(num_ctas=8, num_devices=2, tiles_per_chunk=32, comm_ctas=2)
+    simulator.simulate(num_ctas=8, num_devices=2, tiles_per_chunk=32, comm_ctas=2)
 
 
 @pytest.mark.parametrize("d", [2, 4, 8])
@@ -300,7 +301,7 @@ def test_pairs_deliver_every_warpgroup_tile_once(d, ctas, tiles):
   # chunk_group 2: each warpgroup of a tile has its own destination; the owner's warpgroup
   # r % 2 of every tile gets D - 1 signals, the other none; no deadlock (the remote half
   # beside the own chunk signals at once: tests below).
-  result = schedule.simulate(num_ctas=ctas, num_devices=d, tiles_per_chunk=tiles, group=2)
+  result = simulator.simulate(num_ctas=ctas, num_devices=d, tiles_per_chunk=tiles, group=2)
   sems = result["semaphores"]
   for r in range(d):
     for t in range(tiles):
@@ -318,8 +319,39 @@ def test_pairs_walk_every_chunk_once_own_pair_last():
             for wg in (0, 1)]
     assert sorted(dsts) == list(range(d))
     assert r in dsts[-2:]  # the own pair last
-    # The group formula at g = 1 is the plain stagger: step s computes chunk r + s + 1.
-    assert all(schedule.wg_dst(r, s, 0, d, 1) == (r + s + 1) % d for s in range(d))
+    # The group formula at g = 1 is the plain stagger: step s computes chunk r - s - 1.
+    assert all(schedule.wg_dst(r, s, 0, d, 1) == (r - s - 1) % d for s in range(d))
+
+
+@pytest.mark.parametrize("d", [2, 3, 4, 8])
+def test_partials_arrive_in_ring_order(d):
+  """Owner r receives at step s from source r + s + 1 (source_offset), into the slot that
+  names it, so the steps visit ring_slots in order: what lets pulling comm CTAs add the
+  partials as they come in the unfused path's order (Config.tma_add at D > 2)."""
+  for r in range(d):
+    arrivals = []
+    for s in range(d - 1):
+      src = (r + schedule.source_offset(s)) % d
+      assert schedule.wg_dst(src, s, 0, d) == r  # that source computes r's chunk at step s
+      offset = (r - src) % d
+      assert schedule.remote_step(offset, d) == s
+      arrivals.append(schedule.recv_slot(offset))
+      assert schedule.source_of_slot(r, arrivals[-1], d) == src
+    assert tuple(arrivals) == schedule.ring_slots(d)
+
+
+@pytest.mark.parametrize("d,tiles,ctas,comm", [(3, 5, 8, 2), (4, 6, 9, 3), (8, 4, 12, 4)])
+def test_ring_chain_pulls_in_ring_order(d, tiles, ctas, comm):
+  """The simulator's ring_chain check holds for the pull program (each comm CTA walks the steps
+  in order) and fails when the owner's slots are visited against ring order."""
+  simulator.simulate(num_ctas=ctas, num_devices=d, tiles_per_chunk=tiles, comm_ctas=comm,
+                     pull=True, ring_chain=True)
+  reversed_order = lambda n: tuple(reversed(schedule.ring_slots(n)))
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(simulator, "ring_slots", reversed_order)
+    with pytest.raises(RuntimeError, match="ring order"):
+      simulator.simulate(num_ctas=ctas, num_devices=d, tiles_per_chunk=tiles, comm_ctas=comm,
+                         pull=True, ring_chain=True)
 
 
 def test_tile_counts_of_a_walk():
@@ -334,7 +366,7 @@ def test_tile_counts_of_a_walk():
 def test_pairs_remote_half_beside_the_own_chunk_announces_before_the_own_half_waits():
   # body.deferred: deferred to the CTA's next tile, whose mainloop needs the own warpgroup
   # (stuck in its owner wait), that signal would leave partners waiting in a cycle.
-  events = schedule.cta_program(0, 0, num_ctas=1, num_devices=2, tiles_per_chunk=2, group=2)
+  events = simulator.cta_program(0, 0, num_ctas=1, num_devices=2, tiles_per_chunk=2, group=2)
   signal = [i for i, e in enumerate(events) if e.kind == "signal"]
   wait = [i for i, e in enumerate(events) if e.kind == "wait"]
   assert signal[0] < wait[0]  # the remote half announces before the own half waits

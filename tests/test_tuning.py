@@ -585,6 +585,17 @@ def test_comm_variants_keep_the_tiles_and_vary_only_the_comm_path():
   added = dataclasses.replace(base, tma_add=True)
   assert all(c.tma_add for c in candidates.comm_variants(
       added, m=8192, n=8192, k_shard=4096, num_devices=2))
+  # At D > 2 in the ring's numerics it goes with the pulling comm CTAs only (their adds in ring
+  # order), whatever the incumbent's; in other numerics nowhere.
+  for incumbent in (config_lib.with_numerics(base, "unfused_order", 4),
+                    dataclasses.replace(config_lib.with_numerics(base, "unfused_order", 4),
+                                        comm_ctas=2, comm_mode="pull", tma_add=True)):
+    got = candidates.comm_variants(incumbent, m=8192, n=8192, k_shard=2048, num_devices=4)
+    assert len(got) == 6 and all(
+        c.tma_add == (c.comm_mode == "pull" and c.comm_ctas > 0) for c in got), got
+  f32 = config_lib.with_numerics(base, "fp32_partials", 4)
+  assert not any(c.tma_add for c in candidates.comm_variants(
+      f32, m=8192, n=8192, k_shard=2048, num_devices=4))
 
 
 def test_owner_variants_switch_the_tma_add_where_it_can_run():
@@ -595,10 +606,14 @@ def test_owner_variants_switch_the_tma_add_where_it_can_run():
   added = got[1]
   assert [c.tma_add for c in candidates.owner_variants(
       added, m=8192, n=8192, k_shard=4096, num_devices=2)] == [True, False]
-  # Not at D = 4 (NotImplementedError: left out), not in other numerics (no variant).
-  assert candidates.owner_variants(config_lib.with_numerics(base, "unfused_order", 4),
-                                   m=8192, n=8192, k_shard=2048, num_devices=4) == [
-      config_lib.with_numerics(base, "unfused_order", 4)]
+  # Not at D = 4 with the direct push (no variant), but with pulling comm CTAs (the adds in
+  # ring order), not in other numerics (no variant).
+  ring4 = config_lib.with_numerics(base, "unfused_order", 4)
+  assert candidates.owner_variants(ring4, m=8192, n=8192, k_shard=2048, num_devices=4) == [
+      ring4]
+  pull4 = dataclasses.replace(ring4, comm_ctas=4, comm_mode="pull")
+  assert [c.tma_add for c in candidates.owner_variants(
+      pull4, m=8192, n=8192, k_shard=2048, num_devices=4)] == [False, True]
   f32 = config_lib.with_numerics(base, "fp32_partials", 2)
   assert candidates.owner_variants(f32, m=8192, n=8192, k_shard=4096, num_devices=2) == [f32]
   # A shape the tiles cannot take has no variants.

@@ -121,13 +121,14 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
   recv_stages = config.recv_stages
   num_comm = config.comm_ctas if d > 1 else 0
   assert (num_comm > 0) == (stage_local is not None), (num_comm, stage_gmem)
-  # The owner TMA-adds its own partial onto the peer's, which lands in its output (D = 2).
+  # The owner TMA-adds its own partial onto the peers' sum, which lands in its output (D = 2,
+  # or D > 2 where pulling comm CTAs add the peers' partials in ring order).
   tma_add = config.tma_add and d > 1
-  assert not tma_add or (d == 2 and recv_gmem is None), (d, recv_gmem)
   in_transforms = _swizzled(tile_k, dtype)
   epi_transforms = _swizzled(epi_n, out_dtype)
   part_transforms = _swizzled(epi_n, part_dtype)
   pull = bool(num_comm) and config.comm_mode == "pull"
+  assert not tma_add or (recv_gmem is None and (d == 2 or pull)), (d, pull, recv_gmem)
   where = schedule.SemLayout(d, tiles, num_comm, pull)
   sems = transport.semaphores(where.shape) if d > 1 else None
   first_eager = schedule.first_eager_step(d, config.eager_signal_steps)
@@ -198,15 +199,17 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
       def announce(offset, tile):
         """Tells whoever moves this warpgroup's remote tile `tile` (for the peer at `offset`)
         next that its stores have landed: the owner (direct push: in its receive slot; pull: in
-        this rank's staging buffer) or this rank's comm CTAs (push from staging; slot offset - 1
-        is the step, as comm CTAs run only without pairs)."""
+        this rank's staging buffer) or this rank's comm CTAs (push from staging; staging is
+        indexed by the step, remote_step(offset), as comm CTAs run only without pairs)."""
         if num_comm and not pull:
-          transport.signal_local(sems, rank, where.staged(offset - 1, tile, wg_idx))
+          transport.signal_local(sems, rank, where.staged(schedule.remote_step(offset, d),
+                                                          tile, wg_idx))
           return
         for o in range(1, d):  # Static peers: see transport.py.
           @pl.when(offset == o)
           def _():
-            idx = where.staged(o - 1, tile, wg_idx) if pull else where.arrived(tile, wg_idx)
+            idx = (where.staged(schedule.remote_step(o, d), tile, wg_idx) if pull
+                   else where.arrived(tile, wg_idx))
             transport.signal(sems, rank, o, idx)
 
       def store_sub(i, sub, smem, dst_ref, add=False):
@@ -286,7 +289,7 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
         """Whether this warpgroup's tile at `step` (for the peer at `offset`) is announced at
         the CTA's next epilogue: remote, not an eager slot, and (pairs) not sharing its tile
         with the own chunk (the next tile would wait on the own warpgroup's owner wait)."""
-        lazy = (offset != 0) & (offset - 1 < first_eager)
+        lazy = (offset != 0) & (schedule.remote_step(offset, d) < first_eager)
         return lazy & (step != steps - 1) if pairs else lazy
 
       def tile_body(lin_idx, local_step):
@@ -322,7 +325,7 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
                 reduce_tile(acc_ref[...], tile, slices,
                             lambda i, sub: store_sub(i, sub, out_smem, out_gmem.at[slices]))
               else:
-                if tma_add:  # The ring's one rounded add, done by TMA: bf16(peer + bf16(own)).
+                if tma_add:  # The ring's last rounded add, by TMA: bf16(peers + bf16(own)).
                   owner_wait(tile)
                 acc = acc_ref[...].astype(out_dtype)
                 store_tile([acc[epi_slices(mi, ni)] for mi, ni in epi_tiles], out_smem,
@@ -346,15 +349,15 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
                       whole, local = (out_all, out_gmem) if tma_add else (recv_gmem, recv_local)
                       dst = transport.peer(whole, rank, o) if comm_on else local
                       if not tma_add:
-                        dst = dst.at[schedule.recv_slot(o - 1)]
+                        dst = dst.at[schedule.recv_slot(o)]
                       store_tile(subs, send_smem, dst.at[slices])
                     def announce_now(o=o):
                       plgpu.wait_smem_to_gmem(0, wait_read_only=False)
                       announce(o, tile)
 
-                    # An eager slot (static: o - 1), or a pair's remote half beside the own
-                    # chunk, waits for its store and announces the tile now (deferred()).
-                    if comm_on and o - 1 >= first_eager:
+                    # An eager step (static: remote_step(o)), or a pair's remote half beside
+                    # the own chunk, waits for its store and announces the tile now (deferred()).
+                    if comm_on and schedule.remote_step(o, d) >= first_eager:
                       announce_now()
                     elif comm_on and pairs:
                       pl.when(step == steps - 1)(announce_now)

@@ -6,7 +6,7 @@ the staged partial tiles while the compute CTAs run the GEMM and never touch NVL
 slots (no remote store on their SMs; needs remote TMA loads, fused.REMOTE_TMA_LOAD_JAX).
 Both move one comm copy (config.comm_rows rows of a warpgroup's half tile, <= 32 KB) at a time
 through SMEM and announce landed tiles on the owner's per-(slot, comm CTA) counters
-(schedule.SemLayout); both are simulated as data by schedule.simulate.
+(schedule.SemLayout); both are simulated as data by simulator.simulate.
 """
 from __future__ import annotations
 
@@ -83,8 +83,9 @@ def _announce_landed(ctx: CommContext, j, blocks: int, emit):
 
 
 def _announce_rest(ctx: CommContext, num_tiles, emit):
-  """After the last copy of a step: waits for every store, then announces the tiles that
-  _announce_landed left (1 to LAG + BATCH - 1 of them; a signal's increment is static)."""
+  """After the last copy of a step: waits for every store (so the next step's TMA adds onto
+  the same tiles come after them, tma_add), then announces the tiles that _announce_landed
+  left (1 to LAG + BATCH - 1 of them; a signal's increment is static)."""
   lag, batch = schedule.COMM_SIGNAL_LAG, schedule.COMM_SIGNAL_BATCH
   plgpu.wait_smem_to_gmem(0, wait_read_only=False)
   rest = num_tiles - jnp.maximum(num_tiles - lag, 0) // batch * batch
@@ -116,16 +117,16 @@ def push_program(ctx: CommContext, comm_index):
     @pl.when(wg_idx < _NUM_COMPUTE_WGS)
     def _pusher():
       num_tiles, tile_of, block = _walk(ctx, comm_index, wg_idx)
-      for o in range(1, d):  # Static peers: see transport.py.
-        step = o - 1
-        src = ctx.stage_local.at[step]
+      for step in range(d - 1):  # Static peers: see transport.py.
+        o, src = schedule.dst_offset(step, d), ctx.stage_local.at[step]
+        slot = schedule.recv_slot(o)
         if config.tma_add:  # The owner TMA-adds its own partial onto it (D = 2).
           dst = transport.peer(ctx.out_gmem, rank, o)
         else:
-          dst = transport.peer(ctx.recv_gmem, rank, o).at[schedule.recv_slot(step)]
+          dst = transport.peer(ctx.recv_gmem, rank, o).at[slot]
 
-        def emit(inc, o=o, step=step):
-          transport.signal(sems, rank, o, where.delivered(step, comm_index, wg_idx), inc)
+        def emit(inc, o=o, slot=slot):
+          transport.signal(sems, rank, o, where.delivered(slot, comm_index, wg_idx), inc)
 
         def push(j, carry, step=step, src=src, dst=dst, emit=emit):
           q = j // blocks
@@ -151,13 +152,16 @@ def push_program(ctx: CommContext, comm_index):
 
 def pull_program(ctx: CommContext, comm_index):
   """Comm CTA `comm_index` of `num_comm` for this rank as owner (kernel v3 pull, docs/design.md
-  section 3.2): for each remote step s in order (the peer at offset D - 1 - s computes this
-  rank's chunk at its step s), TMA-loads that peer's staged partials of tiles comm_index,
-  +num_comm, ... over NVLink and TMA-stores them into local receive slot s, `prefetch`
-  blocks of loads in flight per warpgroup; announces landed tiles to the own compute CTAs
-  in batches (as push does); then tells every peer it is done reading the peer's staging buffer, and comm CTA 0
-  waits until every peer is done with this rank's. No remote store is ever issued here, so
-  no load queues behind one (the head-of-line effect, section 3.2)."""
+  section 3.2): for each remote step s in order (the peer at offset s + 1 computes this rank's
+  chunk at its step s: ring order), TMA-loads that peer's staged partials of tiles comm_index,
+  +num_comm, ... over NVLink and TMA-stores them into the local receive slot of that peer,
+  `prefetch` blocks of loads in flight per warpgroup; with tma_add, stores step 0's into the
+  output and TMA-adds every later step's onto it instead: the unfused path's bf16 adds in its
+  order, so the owner's epilogue only adds its own partial (section 3.5). Announces landed
+  tiles to the own compute CTAs in batches (as push does); then tells every peer it is done
+  reading the peer's staging buffer, and comm CTA 0 waits until every peer is done with
+  this rank's. No remote store is ever issued here, so no load queues behind one (the
+  head-of-line effect, section 3.2)."""
   config, d, num_comm = ctx.config, ctx.num_devices, ctx.num_comm
   rank, transport, sems, where = ctx.rank, ctx.transport, ctx.sems, ctx.where
   rows, tile_n, stage_wait = config.comm_rows, config.tile_n, ctx.stage_wait
@@ -179,9 +183,13 @@ def pull_program(ctx: CommContext, comm_index):
       count = num_tiles * blocks
 
       for step in range(d - 1):  # Static peers: see transport.py.
-        src = transport.peer(ctx.stage_gmem, rank, d - 1 - step).at[step]
-        dst = (ctx.out_local if config.tma_add  # The owner's TMA add (D = 2).
-               else ctx.recv_local.at[schedule.recv_slot(step)])
+        o = schedule.source_offset(step)
+        src = transport.peer(ctx.stage_gmem, rank, o).at[step]
+        slot = schedule.recv_slot(d - o)
+        dst = ctx.out_local if config.tma_add else ctx.recv_local.at[slot]
+        # Ring order is step order: each step's adds are issued after the previous step's
+        # writes have completed (_announce_rest waits for them), so the sum's order is fixed.
+        reduction = "add" if config.tma_add and step > 0 else None
 
         def load(j, step=step, src=src):
           @pl.when((lax.rem(j, blocks) == 0) & stage_wait)
@@ -196,14 +204,15 @@ def pull_program(ctx: CommContext, comm_index):
           def _(i=i, load=load):
             load(i)
 
-        def emit(inc, step=step):
-          transport.signal_local(sems, rank, where.delivered(step, comm_index, wg_idx), inc)
+        def emit(inc, slot=slot):
+          transport.signal_local(sems, rank, where.delivered(slot, comm_index, wg_idx), inc)
 
-        def move(j, carry, dst=dst, load=load, emit=emit):
+        def move(j, carry, dst=dst, load=load, emit=emit, reduction=reduction):
           b = lax.rem(j, sets)
           plgpu.barrier_wait(barrier.at[wg_idx * sets + b])
           if ctx.recv_store:
-            plgpu.copy_smem_to_gmem(buf.at[wg_idx, b], dst.at[block(j)])
+            plgpu.copy_smem_to_gmem(buf.at[wg_idx, b], dst.at[block(j)],
+                                    reduction_op=reduction)
           else:
             plgpu.commit_smem()  # (timing only) the buffer is refilled without being stored
 

@@ -13,18 +13,13 @@ MatmulDimension = hopper_matmul_mgpu.MatmulDimension
 SMEM_LIMIT_BYTES = 232_448
 # Barriers, semaphores and alignment slack that the estimate below does not itemise.
 SMEM_SLACK_BYTES = 2_048
-# SM count of an H100/H200 SXM: the kernel is compiled for a fixed persistent grid so that it
-# can be lowered without a GPU (jax.export from a CPU machine).
+# SM count of an H100/H200 SXM: a fixed persistent grid lowers without a GPU (jax.export).
 DEFAULT_NUM_SMS = 132
 PARTIAL_DTYPES = ("bfloat16", "float32")
-# Largest TMA copy of a comm CTA: 4 x 32 KB loads in flight reach one SM's peak pull rate
-# (~94 GB/s, docs/design.md section 3.2).
+# Largest TMA copy of a comm CTA: 4 x 32 KB in flight reach one SM's pull rate (design 3.2).
 COMM_COPY_BYTES = 32 * 1024
-# How the owner adds the D partials of its chunk (docs/design.md section 5):
-#   "fp32": into its own fp32 accumulator, in slot order, one rounding at the end;
-#   "bf16_ring": the unfused path's arithmetic - its own partial rounded to bf16, then the D bf16
-#     partials added in NCCL's ring order (sources r+1, ..., r+D-1, then r) with a bf16 rounding
-#     after every add.
+# How the owner adds the D partials of its chunk (Config.owner_sum; docs/design.md section 5):
+# "fp32" (one rounding at the end) or "bf16_ring" (the unfused path's arithmetic and order).
 OWNER_SUMS = ("fp32", "bf16_ring")
 COMM_MODES = ("push", "pull")
 # The numerics modes users and the tuner choose between: name -> (partial_dtype, owner_sum).
@@ -58,8 +53,7 @@ class Config:
   the default) or `2*tile_m x tile_n` (M).
 
   Attributes:
-    tile_m: rows of a warpgroup tile; the per-device chunk `m // num_devices` must be a
-      multiple of the CTA tile's rows (`cta_tile_m`).
+    tile_m: rows of a warpgroup tile; `m // num_devices` a multiple of `cta_tile_m`.
     tile_n: columns of a warpgroup tile; `n` must be a multiple of the CTA tile's columns.
     wg_dimension: along which dimension the two warpgroup tiles sit (MatmulDimension). M
       makes CTA tiles such as 128 x 192 (tile_m=64, tile_n=192), which fill 128 of 132 SMs
@@ -69,8 +63,7 @@ class Config:
     max_concurrent_steps: TMA pipeline depth (SMEM slots for x and w blocks).
     epi_tile_m: rows of an epilogue sub-tile (TMA store/load box).
     epi_tile_n: columns of an epilogue sub-tile.
-    recv_stages: SMEM slots per warpgroup for prefetching received partials in the owner's
-      epilogue (only allocated when num_devices > 1).
+    recv_stages: SMEM slots per warpgroup prefetching received partials (owner's epilogue).
     grid_minor_dim: minor dimension of the snake order of tiles within a chunk.
     grid_tile_width: width of the snake bands.
     num_sms: CTAs of the persistent grid (all ranks together in loopback mode).
@@ -95,9 +88,10 @@ class Config:
     owner_sum: how the owner adds the partials (OWNER_SUMS): "fp32" (its fp32 accumulator,
       slot order, one rounding) or "bf16_ring" (bf16 partials only: the unfused path's
       arithmetic, bit for bit wherever the partials equal cuBLAS's). `numerics` names the pair.
-    tma_add: the peer's partial lands in the owner's output (direct push or comm CTAs) and the
-      owner TMA-adds its own bf16 partial onto it: the same bits, nothing loaded, no receive
-      buffer (D = 2 with "bf16_ring" only: tma_add_runs; docs/design.md section 3.5).
+    tma_add: the peers' partials land in the owner's output and the owner TMA-adds its own
+      bf16 partial onto them: the same bits, nothing loaded, no receive buffer ("bf16_ring"
+      only; D = 2, or D > 2 with pulling comm CTAs, which TMA-add the partials in ring order;
+      docs/design.md section 3.5).
     interleave_steps: the remote steps walked tile by tile, step fastest (the own step still
       last; schedule.step_and_tile): a wave reads fewer columns of w where a step is one row.
   """
@@ -242,8 +236,11 @@ class Config:
     """Raises NotImplementedError if the kernel cannot take this (legal) problem with this config
     (`loopback`: on the one-GPU transport, whose D ranks share the GPU's CTAs)."""
     chunk = m // num_devices
-    if self.tma_add and num_devices > 2:  # Why not: docs/design.md section 3.5.
-      raise NotImplementedError(f"tma_add runs only at num_devices = 2, got {num_devices=}")
+    if self.tma_add and num_devices > 2 and not tma_add_runs(
+        num_devices, self.owner_sum, self.comm_ctas, self.comm_mode):  # docs/design.md 3.5
+      raise NotImplementedError(
+          f"tma_add at {num_devices=} > 2 needs pulling comm CTAs (their adds in ring order "
+          f"are deterministic), got comm_ctas={self.comm_ctas}, comm_mode={self.comm_mode!r}")
     if self.chunk_group(m, num_devices) == 2:
       # Pairs: each warpgroup's tile has its own destination (docs/design.md section 3).
       if self.comm_ctas or self.eager_signal_steps:
@@ -280,10 +277,13 @@ class Config:
              if loopback else "rank"))
 
 
-def tma_add_runs(num_devices: int, owner_sum: str) -> bool:
-  """Whether the owner's TMA add (Config.tma_add) can run, and so is the default: D = 2 in the
-  ring's numerics (same bits; 2-5 us less alone at small M, BUILD_NOTES 2026-12-01)."""
-  return num_devices == 2 and owner_sum == "bf16_ring"
+def tma_add_runs(num_devices: int, owner_sum: str, comm_ctas: int = 0,
+                 comm_mode: str = "push") -> bool:
+  """Whether the owner's TMA add (Config.tma_add) can run, and so is the default, in the ring's
+  numerics: at D = 2 (2-5 us less alone at small M), and at D > 2 with pulling comm CTAs, which
+  add the partials in ring order (2-10% faster in loopback); same bits (BUILD_NOTES 2026-12-01)."""
+  return owner_sum == "bf16_ring" and (
+      num_devices == 2 or (num_devices > 2 and comm_ctas > 0 and comm_mode == "pull"))
 
 
 def nvlink_has_run(tile_n: int, wg_dimension, tma_add: bool, num_devices: int) -> bool:

@@ -119,8 +119,15 @@ def comm_variants(base: Config, *, m: int, n: int, k_shard: int, num_devices: in
   """`base` (its tiles, pipeline, numerics and owner's sum kept) with each way of moving the
   partials in COMM_VARIANTS (comm_ctas 0 is v1's direct push), fitted to SMEM; those the kernel
   cannot take for the shape left out; `pull=False` leaves the pulling ones out (jax < 0.11.2).
-  `base` itself (the incumbent) comes first when the kernel takes it."""
-  return _fitting([dataclasses.replace(base, comm_mode=mode, comm_ctas=ctas)
+  `base` itself (the incumbent) comes first when the kernel takes it. At D > 2 the owner's TMA
+  add goes with the pulling ones in the ring's numerics (their adds in ring order: the same
+  bits, 2-10% faster in loopback) and cannot go without them (config.tma_add_runs)."""
+  def moved(mode, ctas):
+    runs = config_lib.tma_add_runs(num_devices, base.owner_sum, ctas, mode)
+    return dataclasses.replace(base, comm_mode=mode, comm_ctas=ctas,
+                               tma_add=runs and (base.tma_add or num_devices > 2))
+
+  return _fitting([moved(mode, ctas)
                    for mode, ctas in ((base.comm_mode, base.comm_ctas), *COMM_VARIANTS)
                    if pull or mode != "pull"],
                   m=m, n=n, k_shard=k_shard, num_devices=num_devices)
@@ -129,10 +136,10 @@ def comm_variants(base: Config, *, m: int, n: int, k_shard: int, num_devices: in
 def owner_variants(base: Config, *, m: int, n: int, k_shard: int,
                    num_devices: int) -> list[Config]:
   """`base` (the incumbent) first, then `base` with the owner's sum by TMA add switched over
-  (Config.tma_add: D = 2 in the ring's numerics, where it gives the same bits), fitted to SMEM;
-  those the kernel cannot take for the shape left out."""
-  other = [dataclasses.replace(base, tma_add=not base.tma_add)] if (
-      config_lib.tma_add_runs(num_devices, base.owner_sum)) else []
+  where it runs (Config.tma_add, config.tma_add_runs: the same bits), fitted to SMEM; those the
+  kernel cannot take for the shape left out."""
+  other = [dataclasses.replace(base, tma_add=not base.tma_add)] if config_lib.tma_add_runs(
+      num_devices, base.owner_sum, base.comm_ctas, base.comm_mode) else []
   return _fitting([base, *other], m=m, n=n, k_shard=k_shard, num_devices=num_devices)
 
 
