@@ -178,13 +178,19 @@ def _best(recs, margin: float = 0.0):
   return best if best["median_us"] < (1 - margin) * ok[0]["median_us"] else ok[0]
 
 
+def _reads_peers(cfg_json) -> bool:
+  """Whether a config (JSON) TMA-loads from peers (Config.reads_peers: jax >= 0.11.2)."""
+  cfg = cfg_json or {}
+  return cfg.get("comm_mode") == "owner" or (cfg.get("comm_mode") == "pull"
+                                             and bool(cfg.get("comm_ctas")))
+
+
 def _fallback(recs, best):
-  """(config JSON, times) of the fastest correct candidate that does not pull, where `best`
-  pulls (remote TMA loads: jax >= 0.11.2 on devices), for the table entry's "fallback"."""
-  if not best or (best.get("config") or {}).get("comm_mode") != "pull":
+  """(config JSON, times) of the fastest correct candidate that reads no peer, where `best`
+  does (remote TMA loads: jax >= 0.11.2 on devices), for the table entry's "fallback"."""
+  if not best or not _reads_peers(best.get("config")):
     return None
-  ok = [r for r in recs if r.get("status") == "ok"
-        and (r.get("config") or {}).get("comm_mode") != "pull"]
+  ok = [r for r in recs if r.get("status") == "ok" and not _reads_peers(r.get("config"))]
   if not ok:
     return None
   r = min(ok, key=lambda r: r["median_us"])
@@ -389,7 +395,7 @@ def multi_gpu_candidates(*, m: int, n: int, k_shard: int, d: int) -> list:
   else:
     cfgs = candidates.comm_variants(base, m=m, n=n, k_shard=k_shard, num_devices=d,
                                     pull=fused.remote_tma_loads_supported())
-  if cfgs and all(c.comm_mode == "pull" and c.comm_ctas for c in cfgs):
+  if cfgs and all(c.reads_peers for c in cfgs):
     # A pulling entry needs a fallback measured in the same run (_fallback): the incumbent's.
     fallback = _table_fallback(m=m, n=n, k_shard=k_shard, d=d)
     if fallback is not None:

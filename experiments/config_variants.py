@@ -23,7 +23,8 @@ def tuned_config(*, m: int, k_shard: int, n: int, dtype, num_devices: int):
 
 def variant_config(base, name: str):
   """The config of a variant name, "_"-separated tokens applied to `base`: v1 (as is: the
-  direct push), cN (N comm CTAs pushing), pN (N comm CTAs pulling), oN (N epilogue SMEM
+  direct push), cN (N comm CTAs pushing), pN (N comm CTAs pulling), ow (no comm CTAs, the
+  owner's epilogue loads the staged partials: comm_mode "owner"), oN (N epilogue SMEM
   slots), tMxN (warpgroup tile M x N: tile_m, tile_n), wm / wn (the two warpgroup tiles side by
   side along M / N: config.wg_dimension), sK (K pipeline steps), rK (K receive prefetch stages
   of the owner's sum: recv_stages), eK (epilogue sub-tiles K columns wide), tadd (the owner's
@@ -46,6 +47,8 @@ def variant_config(base, name: str):
                                 epi_tile_n=min(cfg.epi_tile_n, tile_n))
     elif token in ("tadd", "noadd"):
       cfg = dataclasses.replace(cfg, tma_add=token == "tadd")
+    elif token == "ow":
+      cfg = dataclasses.replace(cfg, comm_mode="owner", comm_ctas=0, tma_add=False)
     elif token in ("il", "st"):
       cfg = dataclasses.replace(cfg, interleave_steps=token == "il")
     elif token in ("wm", "wn"):

@@ -287,6 +287,47 @@ def test_ring_chain_back_to_back_calls():
     helpers.assert_same_bits(*(f(xs, ws) for f in fns[d]), call)
 
 
+# comm_mode "owner" (docs/design.md section 3.2): no comm CTAs, remote tiles staged locally and
+# flagged to the owner, whose own epilogue loads each source's staged partial. The same
+# arithmetic as the receive slots, so every bit as the direct push, in every numerics mode.
+@pytest.mark.parametrize("d", [2, 4, 8])
+@pytest.mark.parametrize("numerics", list(config_lib.NUMERICS_MODES))
+def test_owner_pull_bit_identical_to_direct_push(d, numerics):
+  m, n, k_shard = 256 * d, 1024, 512
+  base = config_lib.fit_smem(config_lib.with_numerics(dataclasses.replace(
+      config_lib.default_config(m=m, n=n, k_shard=k_shard, num_devices=d), tma_add=False),
+      numerics, d), d)
+  owner = dataclasses.replace(base, comm_mode="owner")
+  for cfg in (base, owner):  # Both must run: a rejected config is a failure here, not a skip.
+    fused.check_supported(m=m, k_shard=k_shard, n=n, dtype=jnp.bfloat16, num_devices=d,
+                          config=cfg, loopback=True)
+  fns = [jax.jit(functools.partial(fused.loopback_matmul_reduce_scatter, config=c))
+         for c in (base, owner)]
+  for call in range(3):
+    xs, ws = testing.stacked_inputs(17000 + 100 * d + call, d, m, k_shard, n)
+    want, got = (np.asarray(f(xs, ws)) for f in fns)
+    helpers.assert_same_bits(want, got, call)
+    ref = testing.stacked_reference(xs, ws)
+    assert reference.max_rel_error(got, ref) <= 1.1 * reference.max_rel_error(
+        _unfused_ring(xs, ws), ref)
+
+
+def test_owner_pull_back_to_back_calls():
+  # An owner that loads a partial before its source staged it, or a rank that exits while a
+  # peer still reads its staging, moves bits from call to call: 60 calls alternating D = 2
+  # (TMA add off: the default adds) and D = 8, fresh inputs, every bit against the direct push.
+  fns = {}
+  for d, m in ((2, 1024), (8, 1024)):
+    base = config_lib.fit_smem(dataclasses.replace(config_lib.default_config(
+        m=m, n=768, k_shard=512, num_devices=d), tma_add=False), d)
+    fns[d] = [jax.jit(functools.partial(fused.loopback_matmul_reduce_scatter, config=c))
+              for c in (base, dataclasses.replace(base, comm_mode="owner"))]
+  for call in range(60):
+    d = 8 if call % 2 else 2
+    xs, ws = testing.stacked_inputs(18000 + call, d, 1024, 512, 768)
+    helpers.assert_same_bits(*(f(xs, ws) for f in fns[d]), call)
+
+
 def test_tma_add_back_to_back_calls():
   # A TMA add issued before the peer's partial landed, or a partial landing on an added tile,
   # would move the output from call to call: 100 calls alternating two shapes, fresh inputs,

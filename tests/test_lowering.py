@@ -463,6 +463,44 @@ def test_ring_chain_of_pulling_comm_ctas_lowers(d):
     _export_shard_map(128 * d, 512, 256 * d, d, config=dataclasses.replace(base, tma_add=True))
 
 
+@pytest.mark.parametrize("d", [2, 4, pytest.param(8, marks=pytest.mark.slow)])
+def test_owner_pull_lowers(d):
+  """comm_mode "owner" (docs/design.md section 3.2): remote tiles staged, the owner's epilogue
+  loads each source's staged partial; a staging buffer and no receive slots; loopback with
+  every ablation that applies, one rank alone, and NVLink where remote TMA loads lower (else
+  refused, naming the version)."""
+  cfg = config_lib.fit_smem(config_lib.with_numerics(config_lib.Config(comm_mode="owner"),
+                                                     config_lib.default_numerics(d), d), d)
+  assert len(fused._exchange_buffers((d,), d, 128, 512, cfg)) == 1  # staging only
+  xs = jax.ShapeDtypeStruct((d, 128 * d, 256), jnp.bfloat16)
+  ws = jax.ShapeDtypeStruct((d, 256, 512), jnp.bfloat16)
+  for ablate in ((), ("comm",), ("reduce",), ("gemm",), ("owner_wait",)):
+    jax.export.export(jax.jit(functools.partial(
+        fused.loopback_matmul_reduce_scatter, config=cfg, ablate=ablate)), platforms=["cuda"])(
+            xs, ws)
+  jax.export.export(jax.jit(functools.partial(
+      fused.rank_alone, num_devices=d, config=cfg, ablate=("comm",))), platforms=["cuda"])(
+          jax.ShapeDtypeStruct((128 * d, 256), jnp.bfloat16),
+          jax.ShapeDtypeStruct((256, 512), jnp.bfloat16))
+  if fused.remote_tma_loads_supported():
+    _export_shard_map(128 * d, 512, 256 * d, d, config=cfg)
+  else:
+    with pytest.raises(NotImplementedError, match="comm_mode='owner'"):
+      _export_shard_map(128 * d, 512, 256 * d, d, config=cfg)
+
+
+def test_owner_pull_refusals():
+  with pytest.raises(ValueError, match="comm_mode='owner'"):
+    config_lib.Config(comm_mode="owner", comm_ctas=2)
+  with pytest.raises(ValueError, match="comm_mode='owner'"):
+    config_lib.Config(comm_mode="owner", owner_sum="bf16_ring", tma_add=True)
+  pairs = config_lib.Config(tile_m=64, tile_n=256, wg_dimension=config_lib.MatmulDimension.M,
+                            comm_mode="owner")
+  with pytest.raises(NotImplementedError, match="comm_mode='owner'"):
+    pairs.check_shape(m=512, n=8192, k_shard=1024, num_devices=8)  # 64-row chunks: pairs
+  assert not config_lib.tma_add_runs(2, "bf16_ring", 0, "owner")
+
+
 def test_pull_over_nvlink_needs_remote_tma_loads():
   """On NVLink the pull is a TMA load from a peer: it lowers where Mosaic GPU supports that
   (jax >= fused.REMOTE_TMA_LOAD_JAX) and is refused, naming the version, elsewhere."""

@@ -370,3 +370,48 @@ def test_pairs_remote_half_beside_the_own_chunk_announces_before_the_own_half_wa
   signal = [i for i, e in enumerate(events) if e.kind == "signal"]
   wait = [i for i, e in enumerate(events) if e.kind == "wait"]
   assert signal[0] < wait[0]  # the remote half announces before the own half waits
+
+
+def _owner_pull(d, tiles, ctas, **kw):
+  return simulator.simulate(num_ctas=ctas, num_devices=d, tiles_per_chunk=tiles,
+                            owner_pull=True, **kw)
+
+
+@pytest.mark.parametrize("d,tiles,ctas", [(2, 64, 132), (2, 3, 1), (4, 7, 5), (8, 32, 132),
+                                          (8, 3, 16), (3, 5, 4)])
+@pytest.mark.parametrize("eager", [0, 1])
+@pytest.mark.parametrize("interleave", [False, True])
+def test_owner_pull(d, tiles, ctas, eager, interleave):
+  """comm_mode "owner": every remote tile staged once and flagged to its owner; every own tile
+  pulls each source's partial once, after its flag, into the slot naming that source; every
+  rank's staging outlives its readers (the done handshake); no deadlock."""
+  trace = _owner_pull(d, tiles, ctas, eager_signal_steps=eager, interleave=interleave)["trace"]
+  staged = collections.Counter((e.rank, e.slot, e.tile) for e in trace if e.kind == "stage")
+  assert set(staged.values()) == {1} and len(staged) == d * (d - 1) * tiles
+  pulls = collections.Counter((e.rank, e.slot, e.tile) for e in trace if e.kind == "pull")
+  assert set(pulls.values()) == {1} and len(pulls) == d * (d - 1) * tiles
+  for e in trace:
+    if e.kind == "pull":
+      assert schedule.source_of_slot(e.rank, e.slot, d) == e.dst
+      assert schedule.wg_dst(e.dst, e.step, 0, d) == e.rank  # the source's step for this chunk
+  assert not any(e.kind in ("store", "signal", "wait_delivered") for e in trace)
+  reduced = collections.Counter((e.rank, e.tile) for e in trace if e.kind == "reduce")
+  assert set(reduced.values()) == {1} and len(reduced) == d * tiles
+  last_pull = {r: max(i for i, e in enumerate(trace) if e.kind == "pull" and e.dst == r)
+               for r in range(d)}
+  for i, e in enumerate(trace):
+    if e.kind == "wait_done":  # a rank exits only after the last read of its staging
+      assert i > last_pull[e.rank]
+
+
+@pytest.mark.parametrize("drop,match", [("wait_staged", "before it was staged"),
+                                        ("signal_done", "deadlock")])
+def test_owner_pull_checks_are_live(monkeypatch, drop, match):
+  real = simulator.cta_program
+
+  def without(*args, **kwargs):
+    return [e for e in real(*args, **kwargs) if e.kind != drop]
+
+  monkeypatch.setattr(simulator, "cta_program", without)
+  with pytest.raises(RuntimeError, match=match):
+    _owner_pull(4, 6, 5)

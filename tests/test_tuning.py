@@ -570,20 +570,22 @@ def test_comm_variants_keep_the_tiles_and_vary_only_the_comm_path():
       config_lib.Config(tile_m=128, tile_n=128, grid_tile_width=4), "unfused_order", 2)
   got = candidates.comm_variants(base, m=8192, n=8192, k_shard=4096, num_devices=2)
   assert [(c.comm_mode, c.comm_ctas) for c in got] == [
-      ("push", 0), ("pull", 2), ("pull", 4), ("pull", 8), ("pull", 16), ("push", 8)]
+      ("push", 0), ("owner", 0), ("pull", 2), ("pull", 4), ("pull", 8), ("pull", 16),
+      ("push", 8)]
   for c in got:
     assert (c.tile_m, c.tile_n, c.grid_tile_width, c.numerics) == (128, 128, 4, "unfused_order")
     assert c.fits_smem(2)
   # Without remote TMA loads (jax < 0.11.2 on devices) only the pushing ones.
-  assert all(c.comm_mode == "push" for c in candidates.comm_variants(
+  assert all(c.comm_mode == "push" and not c.reads_peers for c in candidates.comm_variants(
       base, m=8192, n=8192, k_shard=4096, num_devices=2, pull=False))
   # The incumbent first, when it is one of the variants too.
   p4 = dataclasses.replace(base, comm_mode="pull", comm_ctas=4)
   got = candidates.comm_variants(p4, m=8192, n=8192, k_shard=4096, num_devices=2)
-  assert (got[0].comm_mode, got[0].comm_ctas) == ("pull", 4) and len(got) == 6
-  # The owner's sum by TMA add carries over to every way of moving the partials.
+  assert (got[0].comm_mode, got[0].comm_ctas) == ("pull", 4) and len(got) == 7
+  # The owner's sum by TMA add carries over to every way of moving the partials but "owner"
+  # (whose epilogue loads and sums them).
   added = dataclasses.replace(base, tma_add=True)
-  assert all(c.tma_add for c in candidates.comm_variants(
+  assert all(c.tma_add == (c.comm_mode != "owner") for c in candidates.comm_variants(
       added, m=8192, n=8192, k_shard=4096, num_devices=2))
   # At D > 2 in the ring's numerics it goes with the pulling comm CTAs only (their adds in ring
   # order), whatever the incumbent's; in other numerics nowhere.
@@ -591,7 +593,7 @@ def test_comm_variants_keep_the_tiles_and_vary_only_the_comm_path():
                     dataclasses.replace(config_lib.with_numerics(base, "unfused_order", 4),
                                         comm_ctas=2, comm_mode="pull", tma_add=True)):
     got = candidates.comm_variants(incumbent, m=8192, n=8192, k_shard=2048, num_devices=4)
-    assert len(got) == 6 and all(
+    assert len(got) == 7 and all(
         c.tma_add == (c.comm_mode == "pull" and c.comm_ctas > 0) for c in got), got
   f32 = config_lib.with_numerics(base, "fp32_partials", 4)
   assert not any(c.tma_add for c in candidates.comm_variants(

@@ -120,7 +120,11 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
   num_out_slots = config.num_out_slots
   recv_stages = config.recv_stages
   num_comm = config.comm_ctas if d > 1 else 0
-  assert (num_comm > 0) == (stage_local is not None), (num_comm, stage_gmem)
+  # comm_mode "owner": no comm CTAs; remote tiles are staged and the owner's compute CTAs load
+  # them from the sources' staging in their own epilogue (docs/design.md section 3.2).
+  owner_pull = d > 1 and config.comm_mode == "owner"
+  staging = bool(num_comm) or owner_pull
+  assert staging == (stage_local is not None), (num_comm, owner_pull, stage_gmem)
   # The owner TMA-adds its own partial onto the peers' sum, which lands in its output (D = 2,
   # or D > 2 where pulling comm CTAs add the peers' partials in ring order).
   tma_add = config.tma_add and d > 1
@@ -129,7 +133,7 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
   part_transforms = _swizzled(epi_n, part_dtype)
   pull = bool(num_comm) and config.comm_mode == "pull"
   assert not tma_add or (recv_gmem is None and (d == 2 or pull)), (d, pull, recv_gmem)
-  where = schedule.SemLayout(d, tiles, num_comm, pull)
+  where = schedule.SemLayout(d, tiles, num_comm, pull, owner_pull)
   sems = transport.semaphores(where.shape) if d > 1 else None
   first_eager = schedule.first_eager_step(d, config.eager_signal_steps)
   ring = config.owner_sum == "bf16_ring" and d > 1
@@ -208,8 +212,8 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
         for o in range(1, d):  # Static peers: see transport.py.
           @pl.when(offset == o)
           def _():
-            idx = (where.staged(schedule.remote_step(o, d), tile, wg_idx) if pull
-                   else where.arrived(tile, wg_idx))
+            idx = (where.staged(schedule.remote_step(o, d), tile, wg_idx)
+                   if pull or owner_pull else where.arrived(tile, wg_idx))
             transport.signal(sems, rank, o, idx)
 
       def store_sub(i, sub, smem, dst_ref, add=False):
@@ -232,7 +236,10 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
         output)."""
         if comm_on and "owner_wait" not in skip:
           with jax.named_scope("owner_wait"):
-            if num_comm:  # Each slot's tiles arrive in the order its comm CTA moves them.
+            if owner_pull:  # Each source flags its staged tile, which this CTA then loads.
+              for step in range(d - 1):
+                transport.wait(sems, rank, where.staged(step, tile, wg_idx), 1)
+            elif num_comm:  # Each slot's tiles arrive in the order its comm CTA moves them.
               c, need = tile % num_comm, tile // num_comm + 1
               for slot in range(d - 1):
                 transport.wait(sems, rank, where.delivered(slot, c, wg_idx), need, local=pull)
@@ -260,10 +267,20 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
             return part_smem.at[buf // recv_stages, buf % recv_stages], part_barrier.at[buf]
           return part_smem.at[wg_idx, buf], part_barrier.at[wg_idx * recv_stages + buf]
 
+        def partials(j):
+          """Slot j's partial [chunk, n]: this rank's receive slot, or (owner pull) the
+          staging of its source, at offset D - 1 - j, which computed it at step D - 2 - j
+          (this rank's own staging under the "comm" ablation)."""
+          if not owner_pull:
+            return recv_local.at[j]
+          step = schedule.remote_step(j + 1, d)
+          return (transport.peer(stage_gmem, rank, d - 1 - j) if comm_on else stage_local
+                  ).at[step]
+
         def issue(i):
           mi, ni, j = loads[i]
           sm, sn = epi_slices(mi, ni)
-          plgpu.copy_gmem_to_smem(recv_local.at[j].at[slices].at[sm, sn], *stage(i))
+          plgpu.copy_gmem_to_smem(partials(j).at[slices].at[sm, sn], *stage(i))
 
         for i in range(min(stages, len(loads))):
           issue(i)
@@ -337,13 +354,13 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
               def _remote():
                 acc = acc_ref[...].astype(part_dtype)
                 subs = [acc[epi_slices(mi, ni)] for mi, ni in epi_tiles]
-                if num_comm:
-                  # Local staging at HBM speed; the comm CTAs push it (comm_program).
+                if staging:
+                  # Local staging at HBM speed; comm CTAs or the owner move it on.
                   store_tile(subs, send_smem, stage_local.at[step].at[slices])
                 for o in range(1, d):
                   @pl.when(offset == o)
                   def _():
-                    if not num_comm:
+                    if not staging:
                       # Into the owner's output to add onto (tma_add), else its receive slot;
                       # this rank's own buffer under the "comm" ablation.
                       whole, local = (out_all, out_gmem) if tma_add else (recv_gmem, recv_local)
@@ -388,6 +405,20 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
         @pl.when((wg_idx < _NUM_COMPUTE_WGS) & (count > 0) & deferred(last_step, last_offset))
         def _():
           announce(last_offset, last_tile)
+
+      if owner_pull and comm_on:
+        # Every load was waited on before its sum: this warpgroup reads no peer any more. A
+        # rank exits only once its peers are done with its staging (XLA may reuse it).
+        @pl.when(wg_idx < _NUM_COMPUTE_WGS)
+        def _():
+          for o in range(1, d):
+            transport.signal(sems, rank, o, where.done())
+
+        @pl.when((cta_index == 0) & (wg_idx == 0))
+        @jax.named_scope("exit_wait")
+        def _():
+          transport.wait(sems, rank, where.done(),
+                         schedule.pull_done_target(d, num_compute))
 
   if num_comm and comm_on:
     ctx = comm_lib.CommContext(

@@ -21,7 +21,7 @@ COMM_COPY_BYTES = 32 * 1024
 # How the owner adds the D partials of its chunk (Config.owner_sum; docs/design.md section 5):
 # "fp32" (one rounding at the end) or "bf16_ring" (the unfused path's arithmetic and order).
 OWNER_SUMS = ("fp32", "bf16_ring")
-COMM_MODES = ("push", "pull")
+COMM_MODES = ("push", "pull", "owner")
 # The numerics modes users and the tuner choose between: name -> (partial_dtype, owner_sum).
 NUMERICS_MODES = {
     "fp32_partials": ("float32", "fp32"),
@@ -55,10 +55,8 @@ class Config:
   Attributes:
     tile_m: rows of a warpgroup tile; `m // num_devices` a multiple of `cta_tile_m`.
     tile_n: columns of a warpgroup tile; `n` must be a multiple of the CTA tile's columns.
-    wg_dimension: along which dimension the two warpgroup tiles sit (MatmulDimension). M
-      makes CTA tiles such as 128 x 192 (tile_m=64, tile_n=192), which fill 128 of 132 SMs
-      where the N split's 128 x 256 leaves a quarter idle (Mixtral w2 M = 512 at D = 2:
-      96 tiles; BUILD_NOTES 2026-12-01, one H200).
+    wg_dimension: along which dimension the two warpgroup tiles sit (MatmulDimension); M
+      makes CTA tiles such as 128 x 192 (fills 128 of 132 SMs where 128 x 256 leaves 36 idle).
     tile_k: contraction block; `k_shard` must be a multiple.
     max_concurrent_steps: TMA pipeline depth (SMEM slots for x and w blocks).
     epi_tile_m: rows of an epilogue sub-tile (TMA store/load box).
@@ -70,21 +68,17 @@ class Config:
     eager_signal_steps: how many of the last remote steps (destinations) announce each
       tile as soon as its store lands, instead of at the start of the CTA's next epilogue
       (schedule.py). 0 (default) defers every signal; D - 1 or more makes all eager.
-    comm_ctas: CTAs per rank that only move partial tiles (docs/design.md section 3.2).
-      0 (kernel v1): the compute CTAs TMA-store each peer tile straight to its owner. n > 0
-      (kernel v3): compute CTAs store every peer tile to a local staging buffer (HBM speed)
-      and never touch NVLink; n comm CTAs move the tiles to their owners (`comm_mode`).
+    comm_ctas: CTAs per rank that only move partial tiles (docs/design.md section 3.2); n > 0
+      (kernel v3): compute CTAs stage every peer tile locally and never touch NVLink.
     out_slots: SMEM slots per compute warpgroup for epilogue sub-tiles on their way out; 0
-      (default) is min(2, sub-tiles). As many as a warpgroup tile has sub-tiles lets the
-      epilogue hand a whole peer tile to TMA without waiting for NVLink to drain any of it.
-    partial_dtype: dtype of the partial tiles sent to their owners, "bfloat16" or "float32".
-      With float32 the owner rounds the sum of all D partials once (never less accurate
-      than the unfused bf16 reduce-scatter), at twice the bytes.
-    comm_mode: how comm CTAs move the staged partials (COMM_MODES): "push" (the source's
-      comm CTAs TMA-store them into the owner's receive slots) or "pull" (the owner's comm
-      CTAs TMA-load them from the source's staging buffer; one SM's primitive pull rate is
-      about twice its push rate, but inside the kernel both measured ~24 GB/s per comm CTA;
-      needs jax >= 0.11.2 on devices, where Mosaic lowers remote TMA loads).
+      (default) is min(2, sub-tiles).
+    partial_dtype: dtype of the partial tiles sent to their owners (PARTIAL_DTYPES).
+    comm_mode: how the partials move (COMM_MODES): with comm CTAs "push" (the source's comm
+      CTAs TMA-store the staged tiles into the owner's receive slots) or "pull" (the owner's
+      comm CTAs TMA-load them from the source's staging buffer: jax >= 0.11.2 on devices);
+      with comm_ctas = 0 "owner" (the source stages them, the owner's compute CTAs TMA-load
+      them in their own epilogue: no comm CTA, no receive buffer, no remote store; 3.2),
+      else the direct push.
     owner_sum: how the owner adds the partials (OWNER_SUMS): "fp32" (its fp32 accumulator,
       slot order, one rounding) or "bf16_ring" (bf16 partials only: the unfused path's
       arithmetic, bit for bit wherever the partials equal cuBLAS's). `numerics` names the pair.
@@ -148,6 +142,9 @@ class Config:
       raise ValueError(f"partial_dtype={self.partial_dtype!r} must be one of {PARTIAL_DTYPES}")
     if self.comm_mode not in COMM_MODES:
       raise ValueError(f"comm_mode={self.comm_mode!r} must be one of {COMM_MODES}")
+    if self.comm_mode == "owner" and (self.comm_ctas or self.tma_add):
+      raise ValueError("comm_mode='owner' (the owner's compute CTAs load and sum the partials) "
+                       f"needs comm_ctas=0, tma_add=False; got {self.comm_ctas}, {self.tma_add}")
     if self.owner_sum not in OWNER_SUMS:
       raise ValueError(f"owner_sum={self.owner_sum!r} must be one of {OWNER_SUMS}")
     if self.owner_sum == "bf16_ring" and self.partial_dtype != "bfloat16":
@@ -184,6 +181,16 @@ class Config:
   def numerics(self) -> str:
     """The numerics mode (a key of NUMERICS_MODES) of (partial_dtype, owner_sum)."""
     return next(k for k, v in NUMERICS_MODES.items() if v == (self.partial_dtype, self.owner_sum))
+
+  @property
+  def staged(self) -> bool:
+    """Whether remote tiles go to the rank's own staging buffer (comm CTAs, or "owner")."""
+    return self.comm_ctas > 0 or self.comm_mode == "owner"
+
+  @property
+  def reads_peers(self) -> bool:
+    """Whether TMA loads read peers' staging buffers (pulling comm CTAs, or "owner")."""
+    return self.comm_mode == "owner" or (self.comm_ctas > 0 and self.comm_mode == "pull")
 
   @property
   def partial_itemsize(self) -> int:
@@ -243,11 +250,12 @@ class Config:
           f"are deterministic), got comm_ctas={self.comm_ctas}, comm_mode={self.comm_mode!r}")
     if self.chunk_group(m, num_devices) == 2:
       # Pairs: each warpgroup's tile has its own destination (docs/design.md section 3).
-      if self.comm_ctas or self.eager_signal_steps:
+      if self.comm_ctas or self.eager_signal_steps or self.comm_mode == "owner":
         raise NotImplementedError(
             f"a CTA tile over two {chunk}-row chunks (tile_m={self.tile_m}, wg_dimension=M) "
             f"runs only with the direct push and deferred signals, got comm_ctas="
-            f"{self.comm_ctas}, eager_signal_steps={self.eager_signal_steps}")
+            f"{self.comm_ctas}, comm_mode={self.comm_mode!r}, "
+            f"eager_signal_steps={self.eager_signal_steps}")
     elif chunk % self.cta_tile_m:
       raise NotImplementedError(
           f"m // num_devices = {m} // {num_devices} = {chunk} is not a multiple of "
@@ -282,7 +290,7 @@ def tma_add_runs(num_devices: int, owner_sum: str, comm_ctas: int = 0,
   """Whether the owner's TMA add (Config.tma_add) can run, and so is the default, in the ring's
   numerics: at D = 2 (2-5 us less alone at small M), and at D > 2 with pulling comm CTAs, which
   add the partials in ring order (2-10% faster in loopback); same bits (BUILD_NOTES 2026-12-01)."""
-  return owner_sum == "bf16_ring" and (
+  return owner_sum == "bf16_ring" and comm_mode != "owner" and (
       num_devices == 2 or (num_devices > 2 and comm_ctas > 0 and comm_mode == "pull"))
 
 
@@ -296,16 +304,9 @@ def nvlink_has_run(tile_n: int, wg_dimension, tma_add: bool, num_devices: int) -
 
 def default_numerics(num_devices: int) -> str:
   """The numerics mode (NUMERICS_MODES) that keeps the seed's error rule at this D, at the
-  fewest bytes (docs/design.md section 5).
-
-  D = 2: "unfused_order" - bf16 bytes, and the owner's arithmetic is the unfused path's own
-  (one rounded bf16 add per pair, the only order at D = 2), so the output equals the unfused
-  one wherever the kernel's fp32 partials equal cuBLAS's (measured: ratio 1.0 and 99.96% of
-  elements bit-identical on NVLink, at the speed of bf16 partials). D <= 4: "fp32_partials"
-  (a guarantee: one rounding of the fp32 sum; bf16 partials broke the rule on the outlier
-  family at D = 4, and NCCL's add order at D = 4 is not yet checked on hardware). D = 8:
-  "bf16_partials" (the unfused path's seven roundings leave a wide margin: max ratio 1.0 over
-  1200 GPU inputs)."""
+  fewest bytes (docs/design.md section 5.2): "unfused_order" at D = 2 (the unfused path's own
+  arithmetic), "fp32_partials" at D = 3-4 (a guarantee; bf16 partials broke the rule at D = 4
+  and NCCL's order there is unchecked), "bf16_partials" at D = 8 (a wide measured margin)."""
   if num_devices == 2:
     return "unfused_order"
   return "fp32_partials" if num_devices <= 4 else "bf16_partials"

@@ -60,11 +60,13 @@ def remote_tma_loads_supported() -> bool:
 
 def check_supported(*, m: int, k_shard: int, n: int, dtype, num_devices: int,
                     config: Config | None = None, loopback: bool = False,
-                    unverified: bool = False) -> Config:
+                    unverified: bool = False, alone: bool = False) -> Config:
   """Returns the config to use, or raises NotImplementedError saying why the kernel can't.
   `loopback`: for the one-GPU transport (no remote loads, and `nvlink_unverified` does not
-  apply). `unverified`: let an NVLink config that `nvlink_unverified` refuses through (the
+  apply); `alone`: one rank without peers (`rank_alone`: neither applies either).
+  `unverified`: let an NVLink config that `nvlink_unverified` refuses through (the
   experiments that investigate it; never the public API)."""
+  peers = not (loopback or alone)  # over NVLink
   if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
     raise NotImplementedError(f"fused kernel supports bfloat16 only, got dtype={jnp.dtype(dtype)}")
   if not 1 <= num_devices <= MAX_DEVICES:
@@ -82,13 +84,12 @@ def check_supported(*, m: int, k_shard: int, n: int, dtype, num_devices: int,
     raise NotImplementedError(
         f"config.num_sms={config.num_sms} exceeds the {sms} SMs of {jax.devices()[0].device_kind}")
   config.check_shape(m=m, n=n, k_shard=k_shard, num_devices=num_devices, loopback=loopback)
-  if (not loopback and num_devices > 1 and config.comm_ctas and config.comm_mode == "pull"
-      and not remote_tma_loads_supported()):
+  if peers and num_devices > 1 and config.reads_peers and not remote_tma_loads_supported():
     raise NotImplementedError(
-        f"comm_mode='pull' TMA-loads from peers, which Mosaic GPU lowers from jax "
-        f"{'.'.join(map(str, REMOTE_TMA_LOAD_JAX))} on (this is {jax.__version__}); "
+        f"comm_mode={config.comm_mode!r} TMA-loads from peers, which Mosaic GPU lowers "
+        f"from jax {'.'.join(map(str, REMOTE_TMA_LOAD_JAX))} on (this is {jax.__version__}); "
         "use comm_mode='push'")
-  if not loopback and not unverified and (why := nvlink_unverified(config, num_devices)):
+  if peers and not unverified and (why := nvlink_unverified(config, num_devices)):
     raise NotImplementedError(why)
   return config
 
@@ -107,7 +108,7 @@ class CheckedConfig:
 
 
 def _checked(config, *, m, k_shard, n, dtype, num_devices, loopback=False,
-             unverified=False) -> Config:
+             unverified=False, alone=False) -> Config:
   """The config to run: a CheckedConfig's for this very problem, else `check_supported`'s."""
   if isinstance(config, CheckedConfig):
     problem = (m, k_shard, n, jnp.dtype(dtype).name, num_devices)
@@ -115,7 +116,7 @@ def _checked(config, *, m, k_shard, n, dtype, num_devices, loopback=False,
       raise ValueError(f"config was checked for {config.problem}, not {problem}")
     return config.config
   return check_supported(m=m, k_shard=k_shard, n=n, dtype=dtype, num_devices=num_devices,
-                         config=config, loopback=loopback, unverified=unverified)
+                         config=config, loopback=loopback, unverified=unverified, alone=alone)
 
 
 def gpu_num_sms() -> int | None:
@@ -222,8 +223,8 @@ def _build(transport, *, out_type, config: Config, num_devices: int, name: str,
   grid, grid_names = transport.grid(config.num_sms)
   body = functools.partial(body_lib.kernel_body, config=config, num_devices=num_devices,
                            transport=transport, skip=skip)
-  if num_devices == 1 or config.tma_add:
-    body = functools.partial(_no_recv, body)  # (tma_add: out, then stage with comm CTAs)
+  if num_devices == 1 or not _receives(config):
+    body = functools.partial(_no_recv, body)  # (out, then the staging buffer if any)
   return plgpu.kernel(
       body,
       out_type=out_type,
@@ -242,15 +243,21 @@ def _no_recv(body, x, w, out, stage=None):
   body(x, w, out, None, stage)
 
 
+def _receives(config: Config) -> bool:
+  """Whether the kernel has receive slots: not where partials land in the output (tma_add) or
+  stay in the sources' staging until the owner loads them (comm_mode "owner")."""
+  return not config.tma_add and config.comm_mode != "owner"
+
+
 def _exchange_buffers(lead: tuple[int, ...], num_devices: int, chunk: int, n: int,
                       config: Config) -> tuple[jax.ShapeDtypeStruct, ...]:
   """The receive slots [*lead, D - 1, chunk, n] and, with comm CTAs, the staging buffer of the
   same shape, in the config's partial dtype: extra kernel outputs (uninitialised), because
-  peers can only address kernel arguments (docs/design.md section 7); none with tma_add (the
-  peer's partial lands in the output)."""
+  peers can only address kernel arguments (docs/design.md section 7); none without receive
+  slots (`_receives`), staging only where remote tiles are staged (`Config.staged`)."""
   buf = jax.ShapeDtypeStruct((*lead, num_devices - 1, chunk, n), jnp.dtype(config.partial_dtype))
-  recv = () if config.tma_add else (buf,)
-  return (*recv, buf) if config.comm_ctas else recv
+  recv = (buf,) if _receives(config) else ()
+  return (*recv, buf) if config.staged else recv
 
 
 def fused_matmul_reduce_scatter(x, w, *, axis_name, num_devices: int,
@@ -335,9 +342,9 @@ def rank_alone(x, w, *, num_devices: int, rank: int = 0, config: Config | None =
                      f"num_devices, got {num_devices=}, {rank=}")
   m, k_shard = x.shape
   n = w.shape[1]
-  # No peers, so nothing to stall on: nvlink_unverified does not apply.
+  # No peers: nothing to stall on (nvlink_unverified) and no remote loads.
   config = _checked(config, m=m, k_shard=k_shard, n=n, dtype=x.dtype, num_devices=num_devices,
-                    unverified=True)
+                    alone=True)
   chunk = m // num_devices
   out_type = (jax.ShapeDtypeStruct((chunk, n), x.dtype),
               *_exchange_buffers((), num_devices, chunk, n, config))

@@ -61,23 +61,25 @@ class SemLayout:
   `slot` that the source's comm CTA c has landed here, in its order c, c + n, ... (announced in
   batches), so tile t has arrived once entry (slot, t % n) reaches t // n + 1; `staged(step,
   tile)` = (D - 1 + step, tile) flags a staged remote tile: the rank's own (push from
-  staging), or, with `pull`, the peer's that computed this rank's chunk at `step` (signalled
-  over NVLink); then `done()` counts the peers done reading this rank's staging buffer.
+  staging), or, with `pull` or `owner_pull`, the peer's that computed this rank's chunk at
+  `step` (signalled over NVLink); then `done()` counts the peers done reading this rank's
+  staging buffer.
   """
   num_devices: int
   tiles: int
   comm_ctas: int
   pull: bool = False
+  owner_pull: bool = False  # comm_mode "owner": staged flags and done, no delivered counters
 
   @property
   def shape(self) -> tuple[int, int]:
-    if not self.comm_ctas:
+    if not self.comm_ctas and not self.owner_pull:
       return 1, self.tiles
-    rows = 2 * (self.num_devices - 1) + (1 if self.pull else 0)
+    rows = 2 * (self.num_devices - 1) + (1 if self.pull or self.owner_pull else 0)
     return rows, max(self.tiles, self.comm_ctas)
 
   def done(self):
-    """Pull: the peers' comm warpgroups that finished reading this rank's staging buffer."""
+    """Pull, owner pull: the peers' warpgroups that finished reading this rank's staging."""
     return 2 * (self.num_devices - 1), 0, 0
 
   def arrived(self, tile, wg):
@@ -203,10 +205,11 @@ def first_eager_step(num_devices: int, eager_signal_steps: int) -> int:
   return max(0, own_step(num_devices) - eager_signal_steps)
 
 
-def pull_done_target(num_devices: int, comm_ctas: int) -> int:
-  """Pull: the "done" signals a rank waits for before it exits, one from each comm warpgroup
-  of each peer, once that warpgroup has finished reading the rank's staging buffer."""
-  return (num_devices - 1) * comm_ctas * NUM_COMPUTE_WGS
+def pull_done_target(num_devices: int, readers: int) -> int:
+  """Pull: the "done" signals a rank waits for before it exits, one from each reading
+  warpgroup of each peer (its `readers` comm CTAs, or with comm_mode "owner" its compute CTAs),
+  once that warpgroup has finished reading the rank's staging buffer."""
+  return (num_devices - 1) * readers * NUM_COMPUTE_WGS
 
 
 def comm_prefetch(sets: int) -> tuple[int, int]:

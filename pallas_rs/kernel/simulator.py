@@ -46,13 +46,17 @@ def cta_tiles(cta: int, num_ctas: int, num_devices: int, tiles_per_chunk: int) -
 def cta_program(rank: int, cta: int, *, num_ctas: int, num_devices: int,
                 tiles_per_chunk: int, eager_signal_steps: int = 0,
                 comm_ctas: int = 0, pull: bool = False, group: int = 1,
-                interleave: bool = False) -> list[Event]:
+                interleave: bool = False, owner_pull: bool = False) -> list[Event]:
   """The ordered events of CTA `cta` of `num_ctas` (a rank's whole grid), mirroring body.py.
   Events name the CTA by its grid index; a compute CTA picks its tiles by its index among the
   compute CTAs. `group`: chunks per CTA tile (`chunk_group`; 2 only with the direct push);
-  `interleave`: the walk of step_and_tile."""
+  `interleave`: the walk of step_and_tile; `owner_pull` (comm_mode "owner", no comm CTAs):
+  remote tiles staged and flagged to their owner, whose own tile waits for each source's flag
+  and pulls the partials itself, then every compute CTA tells the peers it is done reading
+  and compute CTA 0 waits until the peers are done with its staging."""
   d = num_devices
-  staged = bool(comm_ctas) and d > 1
+  owner_pull = owner_pull and d > 1
+  staged = (bool(comm_ctas) or owner_pull) and d > 1
   if staged and cta < comm_ctas:
     program = _pull_program if pull else _comm_program
     return program(rank, cta, comm_ctas=comm_ctas, num_devices=d,
@@ -69,8 +73,9 @@ def cta_program(rank: int, cta: int, *, num_ctas: int, num_devices: int,
 
   def announce(e):
     if staged:
-      # Push: this rank's comm CTAs move it; pull: the owner's do.
-      return Event("signal_staged", rank, cta, e.step, e.tile, e.dst if pull else rank, e.slot)
+      # Push: this rank's comm CTAs move it; pull: the owner's do; owner pull: the owner.
+      owner = e.dst if pull or owner_pull else rank
+      return Event("signal_staged", rank, cta, e.step, e.tile, owner, e.slot)
     return Event("signal", rank, cta, e.step, e.tile, e.dst, e.slot, wg=e.wg)
 
   events, prev = [], []
@@ -86,7 +91,12 @@ def cta_program(rank: int, cta: int, *, num_ctas: int, num_devices: int,
     for wg in parts:
       dst = wg_dst(rank, step, max(wg, 0), d, group)
       if dst == rank:  # The own chunk.
-        if staged:  # One wait per slot: tile // n + 1 tiles delivered by comm CTA tile % n.
+        if owner_pull:  # Each source's flag, then its staged partial into the slot naming it.
+          for s in range(own_step(d)):
+            o = source_offset(s)
+            events.append(Event("wait_staged", rank, cta, s, tile, rank, s, target=1))
+            events.append(Event("pull", rank, cta, s, tile, (rank + o) % d, recv_slot(d - o)))
+        elif staged:  # One wait per slot: tile // n + 1 tiles delivered by comm CTA tile % n.
           events += [Event("wait_delivered", rank, cta, step, tile, rank, j,
                            target=tile // comm_ctas + 1) for j in range(d - 1)]
         elif d > 1:
@@ -101,6 +111,11 @@ def cta_program(rank: int, cta: int, *, num_ctas: int, num_devices: int,
       if not deferred(e):
         events.append(announce(e))
   events += [announce(e) for e in prev if deferred(e)]
+  if owner_pull:
+    events += [Event("signal_done", rank, cta, 0, 0, (rank + o) % d) for o in range(1, d)]
+    if cta == first:
+      events.append(Event("wait_done", rank, cta, 0, 0, rank,
+                          target=pull_done_target(d, num_ctas - first)))
   return events
 
 
@@ -163,7 +178,7 @@ def _pull_program(rank: int, cta: int, *, comm_ctas: int, num_devices: int,
 def simulate(*, num_ctas: int, num_devices: int, tiles_per_chunk: int,
              eager_signal_steps: int = 0, comm_ctas: int = 0,
              pull: bool = False, group: int = 1, interleave: bool = False,
-             ring_chain: bool = False) -> dict[str, Any]:
+             ring_chain: bool = False, owner_pull: bool = False) -> dict[str, Any]:
   """Runs every CTA of every rank as a sequential process, round-robin.
 
   Models the co-resident persistent grid the kernel requires (fused.check_supported keeps
@@ -177,11 +192,12 @@ def simulate(*, num_ctas: int, num_devices: int, tiles_per_chunk: int,
   d = num_devices
   if comm_ctas and d > 1 and comm_ctas >= num_ctas:
     raise ValueError(f"{comm_ctas=} leaves no compute CTA among {num_ctas=}")
-  done_target = pull_done_target(d, comm_ctas)
+  done_target = pull_done_target(d, num_ctas if owner_pull else comm_ctas)
   programs = {(r, c): cta_program(r, c, num_ctas=num_ctas, num_devices=d,
                                   tiles_per_chunk=tiles_per_chunk,
                                   eager_signal_steps=eager_signal_steps, comm_ctas=comm_ctas,
-                                  pull=pull, group=group, interleave=interleave)
+                                  pull=pull, group=group, interleave=interleave,
+                                  owner_pull=owner_pull)
               for r in range(d) for c in range(num_ctas)}
   pcs = {key: 0 for key in programs}
   sems: dict[tuple, int] = {}

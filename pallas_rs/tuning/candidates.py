@@ -108,17 +108,21 @@ def adapt_config(cfg: Config, *, m: int, n: int, k_shard: int,
   return cand
 
 
-# (comm_mode, comm_ctas) tried by comm_variants: pulling beats pushing per comm CTA once its
-# signals are batched (BUILD_NOTES 2026-12-01: ~36-40 vs ~24 GB/s), push 8 stays as a check;
-# 16 pulling CTAs for the shapes whose transfer needs the whole link (D = 8's o_proj).
-COMM_VARIANTS = (("push", 0), ("pull", 2), ("pull", 4), ("pull", 8), ("pull", 16), ("push", 8))
+# (comm_mode, comm_ctas) tried by comm_variants: the direct push, the owner's epilogue loading
+# the staged partials (no comm CTA; ninth session, not yet measured over NVLink), pulling comm
+# CTAs, which beat pushing ones once their signals are batched (BUILD_NOTES 2026-12-01: ~36-40
+# vs ~24 GB/s; push 8 stays as a check), 16 of them for the shapes whose transfer needs the
+# whole link (D = 8's o_proj).
+COMM_VARIANTS = (("push", 0), ("owner", 0), ("pull", 2), ("pull", 4), ("pull", 8), ("pull", 16),
+                 ("push", 8))
 
 
 def comm_variants(base: Config, *, m: int, n: int, k_shard: int, num_devices: int,
                   pull: bool = True) -> list[Config]:
   """`base` (its tiles, pipeline, numerics and owner's sum kept) with each way of moving the
   partials in COMM_VARIANTS (comm_ctas 0 is v1's direct push), fitted to SMEM; those the kernel
-  cannot take for the shape left out; `pull=False` leaves the pulling ones out (jax < 0.11.2).
+  cannot take for the shape left out; `pull=False` leaves out those that read peers (pulling
+  comm CTAs and "owner": jax < 0.11.2).
   `base` itself (the incumbent) comes first when the kernel takes it. At D > 2 the owner's TMA
   add goes with the pulling ones in the ring's numerics (their adds in ring order: the same
   bits, 2-10% faster in loopback) and cannot go without them (config.tma_add_runs)."""
@@ -129,7 +133,7 @@ def comm_variants(base: Config, *, m: int, n: int, k_shard: int, num_devices: in
 
   return _fitting([moved(mode, ctas)
                    for mode, ctas in ((base.comm_mode, base.comm_ctas), *COMM_VARIANTS)
-                   if pull or mode != "pull"],
+                   if pull or mode not in ("pull", "owner")],
                   m=m, n=n, k_shard=k_shard, num_devices=num_devices)
 
 
