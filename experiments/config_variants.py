@@ -24,7 +24,8 @@ def tuned_config(*, m: int, k_shard: int, n: int, dtype, num_devices: int):
 def variant_config(base, name: str):
   """The config of a variant name, "_"-separated tokens applied to `base`: v1 (as is: the
   direct push), cN (N comm CTAs pushing), pN (N comm CTAs pulling), ow (no comm CTAs, the
-  owner's epilogue loads the staged partials: comm_mode "owner"), oN (N epilogue SMEM
+  owner's epilogue loads the staged partials: comm_mode "owner", no TMA add, the CTA tile's
+  warpgroups along N where they can be), oN (N epilogue SMEM
   slots), tMxN (warpgroup tile M x N: tile_m, tile_n), wm / wn (the two warpgroup tiles side by
   side along M / N: config.wg_dimension), sK (K pipeline steps), rK (K receive prefetch stages
   of the owner's sum: recv_stages), eK (epilogue sub-tiles K columns wide), tadd (the owner's
@@ -49,6 +50,10 @@ def variant_config(base, name: str):
       cfg = dataclasses.replace(cfg, tma_add=token == "tadd")
     elif token == "ow":
       cfg = dataclasses.replace(cfg, comm_mode="owner", comm_ctas=0, tma_add=False)
+      try:  # Without the add NVLink runs the N split only (fused.nvlink_unverified).
+        cfg = config_lib.with_wg_along_n(cfg)
+      except NotImplementedError:
+        pass  # (the kernel's check then names why the variant cannot run)
     elif token in ("il", "st"):
       cfg = dataclasses.replace(cfg, interleave_steps=token == "il")
     elif token in ("wm", "wn"):

@@ -16,6 +16,7 @@
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh timeline # M = 512/2048: per-call phase timeline (profiler)
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh tiles    # M = 512/2048 (seed, proxy8): retune the CTA tile
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh owner    # D = 2, all 32 shapes: each entry with/without the TMA add
+#   OUT=/tmp/mg bash experiments/run_multi_gpu.sh owner_pull  # the owner's epilogue pulls (comm_mode "owner") vs push / comm CTAs
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh alone    # one GPU is enough: one rank's program alone
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh stall    # each warpgroup split with/without the TMA add, hangs isolated
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh stall_which   # the split or the 256-column wgmma: which stalls
@@ -136,6 +137,16 @@ llama70b_o_proj_m512,llama70b_o_proj_m32768,mixtral8x22b_w2_m2048,llama70b_down_
         --tags=$tag --iterations=20 --margin=0.02 --table="$out/tuning_table.json" \
         --out="$out/autotune_owner_$tag.json" 2>&1 | quiet | tail -18
     done ;;
+  owner_pull)
+    # comm_mode "owner" (docs/design.md section 3.2, never run over NVLink before): its bits
+    # against the direct push, then its time against the table's config and 4 pulling comm CTAs
+    # (fused and without communication: the exposed part), small M to large.
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -m multigpu \
+      tests/test_fused_multigpu.py -k owner_pull 2>&1 | tail -4
+    timeout 360 python3 experiments/ablate.py --out="$out/ablate_owner_pull.json" \
+      --configs=table,ow,p4 --ablations=fused,no_comm --iterations=50 --names=\
+llama70b_o_proj_m512,llama70b_down_proj_m512,llama70b_o_proj_m2048,llama70b_down_proj_m2048,\
+mixtral8x22b_w2_m2048,llama70b_o_proj_m8192,llama70b_o_proj_m8192_proxy8 2>&1 | quiet | tail -24 ;;
   timeline)
     # Issue 19: where a small-M call's time goes (Mosaic GPU profiler traces under $out/traces).
     timeout 400 python3 experiments/timeline.py --configs=table --trace_dir="$out/traces" \

@@ -91,3 +91,32 @@ def test_tma_add_bit_identical_over_nvlink(m, n, k):
     ref = helpers.reference_output(inputs)
     assert reference.max_rel_error(got.astype(np.float64), ref) <= 1.1 * (
         reference.max_rel_error(unfused.astype(np.float64), ref))
+
+
+@pytest.mark.parametrize("d", _device_counts())
+def test_owner_pull_bit_identical_over_nvlink(d):
+  # comm_mode "owner": the owner's epilogue TMA-loads each source's staged partial over NVLink
+  # (no comm CTA, no receive slot): the direct push's bits (warpgroups along N, without the TMA
+  # add, which NVLink runs: fused.nvlink_unverified), 3 fresh inputs, then 20 back-to-back
+  # calls (a load before its flag, or an exit while a peer still reads, would move bits).
+  m, n, k = 512 * d, 2048, 2048 * d
+  case = _case(d, m, n, k)
+  mesh = helpers.make_mesh(d, devices=helpers.hopper_devices())
+  base = config_lib.fit_smem(config_lib.with_wg_along_n(dataclasses.replace(
+      config_lib.default_config(m=m, n=n, k_shard=k // d, num_devices=d), tma_add=False)), d)
+  owner = dataclasses.replace(base, comm_mode="owner")
+  op = lambda cfg: helpers.shard_mapped(functools.partial(
+      pallas_rs.matmul_reduce_scatter, axis_name=helpers.AXIS, implementation="fused",
+      config=cfg), mesh)
+  for call in range(23):
+    inputs = testing.make_inputs(case, 19000 + call)
+    x, w = testing.put_operands(inputs, mesh, helpers.AXIS)
+    got = helpers.per_device_shards(op(owner)(x, w), mesh)
+    helpers.assert_same_bits(helpers.per_device_shards(op(base)(x, w), mesh), got, call)
+    if call < 3:
+      ref = helpers.reference_output(inputs)
+      unfused = helpers.per_device_shards(helpers.shard_mapped(functools.partial(
+          pallas_rs.matmul_reduce_scatter, axis_name=helpers.AXIS, implementation="xla"),
+          mesh)(x, w), mesh)
+      assert reference.max_rel_error(got.astype(np.float64), ref) <= 1.1 * (
+          reference.max_rel_error(unfused.astype(np.float64), ref))
