@@ -41,6 +41,25 @@ def _check_loopback(d, m, n, k, seed):
   assert e_fused <= 1.1 * e_xla, (e_fused, e_xla)
 
 
+def _same_bits(cfgs, d, m, n, k_shard, seed, calls=3):
+  """Every config of `cfgs` runs (a rejected one fails here, not skips) and gives the first's
+  bits in loopback on `calls` fresh inputs; each output keeps the error rule against the
+  unfused path as NCCL sums (ring order)."""
+  for cfg in cfgs:
+    fused.check_supported(m=m, k_shard=k_shard, n=n, dtype=jnp.bfloat16, num_devices=d,
+                          config=cfg, loopback=True)
+  fns = [jax.jit(functools.partial(fused.loopback_matmul_reduce_scatter, config=c))
+         for c in cfgs]
+  for call in range(calls):
+    xs, ws = testing.stacked_inputs(seed + call, d, m, k_shard, n)
+    want, *others = (np.asarray(f(xs, ws)) for f in fns)
+    ref = testing.stacked_reference(xs, ws)
+    bound = 1.1 * reference.max_rel_error(_unfused_ring(xs, ws), ref)
+    for got in others:
+      helpers.assert_same_bits(want, got, call)
+      assert reference.max_rel_error(got, ref) <= bound
+
+
 @pytest.mark.parametrize("d", [2, 4, 8])
 @pytest.mark.parametrize("n,k", PAIRS)
 def test_loopback_scaled_seed_pairs(d, n, k):
@@ -234,16 +253,8 @@ def test_interleaved_steps_change_no_bit(d, m, comm):
   base = dataclasses.replace(config_lib.default_config(m=m, n=n, k_shard=k_shard,
                                                        num_devices=d), **comm)
   base = config_lib.fit_smem(base, d)
-  cfgs = [dataclasses.replace(base, interleave_steps=flag) for flag in (False, True)]
-  fns = [jax.jit(functools.partial(fused.loopback_matmul_reduce_scatter, config=c))
-         for c in cfgs]
-  for call in range(3):
-    xs, ws = testing.stacked_inputs(14000 + 10 * d + call, d, m, k_shard, n)
-    want, got = (np.asarray(f(xs, ws)) for f in fns)
-    helpers.assert_same_bits(want, got, call)
-    ref = testing.stacked_reference(xs, ws)
-    assert reference.max_rel_error(got, ref) <= 1.1 * reference.max_rel_error(
-        _unfused_ring(xs, ws), ref)
+  _same_bits([dataclasses.replace(base, interleave_steps=flag) for flag in (False, True)],
+             d, m, n, k_shard, seed=14000 + 10 * d)
 
 
 # tma_add at D > 2 (docs/design.md section 3.5): pulling comm CTAs store the first partial into
@@ -259,19 +270,7 @@ def test_ring_chain_of_comm_ctas_changes_no_bit(d, m, ctas):
       m=m, n=n, k_shard=k_shard, num_devices=d), "unfused_order", d), d)
   slots = config_lib.fit_smem(dataclasses.replace(direct, comm_ctas=ctas, comm_mode="pull"), d)
   added = dataclasses.replace(slots, tma_add=True)
-  for cfg in (direct, slots, added):  # All must run: a rejected config fails, not skips.
-    fused.check_supported(m=m, k_shard=k_shard, n=n, dtype=jnp.bfloat16, num_devices=d,
-                          config=cfg, loopback=True)
-  fns = [jax.jit(functools.partial(fused.loopback_matmul_reduce_scatter, config=c))
-         for c in (direct, slots, added)]
-  for call in range(3):
-    xs, ws = testing.stacked_inputs(15000 + 10 * d + call, d, m, k_shard, n)
-    want, via_slots, got = (np.asarray(f(xs, ws)) for f in fns)
-    helpers.assert_same_bits(want, via_slots, call)
-    helpers.assert_same_bits(want, got, call)
-    ref = testing.stacked_reference(xs, ws)
-    assert reference.max_rel_error(got, ref) <= 1.1 * reference.max_rel_error(
-        _unfused_ring(xs, ws), ref)
+  _same_bits([direct, slots, added], d, m, n, k_shard, seed=15000 + 10 * d)
 
 
 def test_ring_chain_back_to_back_calls():
@@ -297,19 +296,8 @@ def test_owner_pull_bit_identical_to_direct_push(d, numerics):
   base = config_lib.fit_smem(config_lib.with_numerics(dataclasses.replace(
       config_lib.default_config(m=m, n=n, k_shard=k_shard, num_devices=d), tma_add=False),
       numerics, d), d)
-  owner = dataclasses.replace(base, comm_mode="owner")
-  for cfg in (base, owner):  # Both must run: a rejected config is a failure here, not a skip.
-    fused.check_supported(m=m, k_shard=k_shard, n=n, dtype=jnp.bfloat16, num_devices=d,
-                          config=cfg, loopback=True)
-  fns = [jax.jit(functools.partial(fused.loopback_matmul_reduce_scatter, config=c))
-         for c in (base, owner)]
-  for call in range(3):
-    xs, ws = testing.stacked_inputs(17000 + 100 * d + call, d, m, k_shard, n)
-    want, got = (np.asarray(f(xs, ws)) for f in fns)
-    helpers.assert_same_bits(want, got, call)
-    ref = testing.stacked_reference(xs, ws)
-    assert reference.max_rel_error(got, ref) <= 1.1 * reference.max_rel_error(
-        _unfused_ring(xs, ws), ref)
+  _same_bits([base, dataclasses.replace(base, comm_mode="owner")], d, m, n, k_shard,
+             seed=17000 + 100 * d)
 
 
 def test_owner_pull_back_to_back_calls():
