@@ -2,10 +2,12 @@
 wrapper of jax's all-gather matmul.
 
   config.py     Config (tiling, SMEM estimate), default heuristic, search space
-  schedule.py   tile/destination schedule, also as data for tests
+  schedule.py   tile/destination schedule (simulator.py runs it as data for the tests)
   transport.py  NVLink (peer) and loopback (one GPU) transports
+  rank.py       one rank's kernel as data: the timing hooks and the facts of a call
   comm.py       kernel v3's comm CTAs (push or pull of the staged partials)
-  body.py       the kernel body (GEMM, epilogues, owner's sum)
+  epilogue.py   a compute warpgroup's epilogue phases (push or stage, owner's wait and sum)
+  body.py       the kernel body: comm and compute CTAs, the tile loop and its mainloop
   fused.py      its entry points: check_supported, CheckedConfig, shard_map, loopback, local
   ag_matmul.py  jax's all-gather matmul: support check, call, config <-> JSON
 

@@ -19,6 +19,7 @@ import numpy as np
 from pallas_rs import platform
 from pallas_rs.kernel import body as body_lib
 from pallas_rs.kernel import config as config_lib
+from pallas_rs.kernel import rank as rank_lib
 from pallas_rs.kernel import schedule
 from pallas_rs.kernel import transport as transport_lib
 
@@ -213,8 +214,8 @@ def _compiler_params():
 
 def _skip(ablate) -> frozenset[str]:
   skip = frozenset(ablate)
-  if not skip <= body_lib.ABLATIONS:
-    raise ValueError(f"ablate={sorted(skip)} must be a subset of {sorted(body_lib.ABLATIONS)}")
+  if not skip <= rank_lib.ABLATIONS:
+    raise ValueError(f"ablate={sorted(skip)} must be a subset of {sorted(rank_lib.ABLATIONS)}")
   return skip
 
 
@@ -269,7 +270,7 @@ def fused_matmul_reduce_scatter(x, w, *, axis_name, num_devices: int,
   The mesh may have other axes, all manual in the shard_map: the sum runs over the devices
   that share this device's coordinates on them (its group); `check_mesh` says what runs.
 
-  `ablate` (body.ABLATIONS: "comm", "reduce", "gemm"): leave a stage out, for timing only;
+  `ablate` (rank.ABLATIONS: "comm", "reduce", "gemm"): leave a stage out, for timing only;
   the result is then wrong
   (body.kernel_body says what each leaves out). `unverified`: as in `check_supported`, for
   experiments only."""

@@ -1,0 +1,237 @@
+"""The epilogue phases of a compute warpgroup (docs/design.md section 3): what happens to a
+finished tile. A peer's tile goes towards its owner (`remote`: the direct push, or staging for
+comm CTAs or the owner to move, then `announce`); the own chunk's tile waits for the peers'
+partials (`owner_wait`) and sums them (`owner_sum`, or the owner's TMA add) in `own`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+
+from pallas_rs.kernel import schedule
+from pallas_rs.kernel.rank import Rank
+
+_NUM_COMPUTE_WGS = schedule.NUM_COMPUTE_WGS
+
+
+def _round(x, dtype):
+  """x (f32) rounded to `dtype` and back: one rounding of the unfused path's running sum."""
+  return x.astype(dtype).astype(jnp.float32)
+
+
+def _add_partial(own, run, part, *, ring: bool, out_dtype):
+  """The owner's sum, one partial (f32) at a time, in slot order -> (own, run): "fp32" adds it
+  to the own fp32 partial `own`; "bf16_ring" to the running bf16 sum `run` (the unfused path's
+  rounding per add; None before the first)."""
+  if ring:
+    return own, part if run is None else _round(run + part, out_dtype)
+  return own + part, run
+
+
+def _finish_sum(own, run, *, ring: bool, out_dtype):
+  """The sum after the last partial: "bf16_ring" adds the own partial last, rounded like every
+  other partial."""
+  if ring and run is not None:
+    return run + _round(own, out_dtype)
+  return own
+
+
+@dataclasses.dataclass(frozen=True)
+class Epilogue:
+  """Compute warpgroup `wg` of one rank's CTA, with its CTA's epilogue SMEM: `out_smem` (the
+  output's sub-tiles on their way out), `send_smem` (the partials', when their dtype differs),
+  `part_smem` / `part_barrier` (the owner's receive stages; None with tma_add)."""
+  k: Rank
+  wg: Any
+  out_smem: Any
+  send_smem: Any
+  part_smem: Any = None
+  part_barrier: Any = None
+
+  def store_sub(self, i, sub, smem, dst_ref, add=False):
+    """Epilogue sub-tile i (epi_tiles order) -> its place in dst_ref [tile_m, tile_n]
+    through the double-buffered SMEM slots of `smem`; `add`: TMA-added onto what it holds."""
+    mi, ni = self.k.epi_tiles[i]
+    slots = self.k.config.num_out_slots
+    slot = i % slots
+    plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
+    smem[self.wg, slot] = sub
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(smem.at[self.wg, slot], dst_ref.at[self.k.epi_slices(mi, ni)],
+                            reduction_op="add" if add else None)
+
+  def store_tile(self, subs, smem, dst_ref, add=False):
+    for i, sub in enumerate(subs):
+      self.store_sub(i, sub, smem, dst_ref, add)
+
+  def announce(self, offset, tile):
+    """Tells whoever moves this warpgroup's remote tile `tile` (for the peer at `offset`)
+    next that its stores have landed: the owner (direct push: in its receive slot; pull and
+    "owner": in this rank's staging buffer) or this rank's comm CTAs (push from staging;
+    staging is indexed by the step, remote_step(offset), as comm CTAs run only without
+    pairs)."""
+    k, d = self.k, self.k.d
+    if k.num_comm and not k.pull:
+      k.transport.signal_local(k.sems, k.rank, k.where.staged(schedule.remote_step(offset, d),
+                                                              tile, self.wg))
+      return
+    for o in range(1, d):  # Static peers: see transport.py.
+      @pl.when(offset == o)
+      def _():
+        idx = (k.where.staged(schedule.remote_step(o, d), tile, self.wg)
+               if k.pull or k.owner_pull else k.where.arrived(tile, self.wg))
+        k.transport.signal(k.sems, k.rank, o, idx)
+
+  def deferred(self, step, offset):
+    """Whether this warpgroup's tile at `step` (for the peer at `offset`) is announced at
+    the CTA's next epilogue: remote, not an eager slot, and (pairs) not sharing its tile
+    with the own chunk (the next tile would wait on the own warpgroup's owner wait)."""
+    k = self.k
+    lazy = (offset != 0) & (schedule.remote_step(offset, k.d) < k.first_eager)
+    return lazy & (step != k.steps - 1) if k.pairs else lazy
+
+  def owner_wait(self, tile):
+    """Until the own tile `tile`'s D - 1 partials have landed (receive slots; tma_add: the
+    output; "owner": the sources' staging)."""
+    k, d = self.k, self.k.d
+    if not (k.hooks.comm and k.hooks.owner_wait):
+      return
+    with jax.named_scope("owner_wait"):
+      if k.owner_pull:  # Each source flags its staged tile, which this CTA then loads.
+        for step in range(d - 1):
+          k.transport.wait(k.sems, k.rank, k.where.staged(step, tile, self.wg), 1)
+      elif k.num_comm:  # Each slot's tiles arrive in the order its comm CTA moves them.
+        c, need = tile % k.num_comm, tile // k.num_comm + 1
+        for slot in range(d - 1):
+          k.transport.wait(k.sems, k.rank, k.where.delivered(slot, c, self.wg), need,
+                           local=k.pull)
+      else:
+        k.transport.wait(k.sems, k.rank, k.where.arrived(tile, self.wg), d - 1)
+
+  def _partials(self, j):
+    """Slot j's partial [chunk, n]: this rank's receive slot, or ("owner") the staging of its
+    source, at offset D - 1 - j, which computed it at step D - 2 - j (this rank's own staging
+    under the "comm" ablation)."""
+    k = self.k
+    if not k.owner_pull:
+      return k.recv_local.at[j]
+    step = schedule.remote_step(j + 1, k.d)
+    return (k.transport.peer(k.stage_gmem, k.rank, k.d - 1 - j) if k.hooks.comm
+            else k.stage_local).at[step]
+
+  def owner_sum(self, acc, tile, slices, emit):
+    """The own tile's sum of all D partials, each out_dtype sub-tile handed to emit(i, sub)
+    as soon as it is summed (config.owner_sum): "fp32": acc (f32) + the received partials
+    in slot order, rounded once; "bf16_ring": the unfused path's arithmetic,
+    schedule.ring_slots. Emitting as it goes keeps no summed tile live beside acc (with
+    D - 1 > 1 partials, holding them spilled registers: BUILD_NOTES 2026-12-01)."""
+    k = self.k
+    out_dtype, recv_stages = k.out.dtype, k.config.recv_stages
+    self.owner_wait(tile)
+    loads = [(mi, ni, j) for mi, ni in k.epi_tiles for j in k.slot_order]
+    if not k.hooks.reduce:
+      loads = []
+    # With pairs one warpgroup of the CTA (rank % 2's) sums and the other only sends, so
+    # the summing one takes both warpgroups' receive stages: twice the loads in flight.
+    stages = _NUM_COMPUTE_WGS * recv_stages if k.pairs else recv_stages
+
+    def stage(i):
+      """(SMEM slot, barrier) of load i."""
+      buf = i % stages
+      if k.pairs:
+        return (self.part_smem.at[buf // recv_stages, buf % recv_stages],
+                self.part_barrier.at[buf])
+      return self.part_smem.at[self.wg, buf], self.part_barrier.at[self.wg * recv_stages + buf]
+
+    def issue(i):
+      mi, ni, j = loads[i]
+      sm, sn = k.epi_slices(mi, ni)
+      plgpu.copy_gmem_to_smem(self._partials(j).at[slices].at[sm, sn], *stage(i))
+
+    for i in range(min(stages, len(loads))):
+      issue(i)
+    i = 0
+    for e, (mi, ni) in enumerate(k.epi_tiles):
+      sm, sn = k.epi_slices(mi, ni)
+      own = acc[sm, sn]
+      run = None  # bf16_ring: the running bf16 sum (held in f32)
+      for _ in range(len(loads) // len(k.epi_tiles)):
+        slot, barrier = stage(i)
+        plgpu.barrier_wait(barrier)
+        if k.hooks.owner_add:
+          part = slot[...].astype(jnp.float32)
+          own, run = _add_partial(own, run, part, ring=k.ring, out_dtype=out_dtype)
+        if i + stages < len(loads):
+          plgpu.commit_smem()  # Every thread has read `slot` before TMA overwrites it.
+          issue(i + stages)
+        i += 1
+      own = _finish_sum(own, run, ring=k.ring, out_dtype=out_dtype)
+      emit(e, own.astype(out_dtype))
+
+  def own(self, acc_ref, tile, slices):
+    """The own chunk's tile: the owner's sum of the peers' partials into the output, or (D = 1)
+    the tile itself, or (tma_add) its own partial TMA-added onto the peers' in the output."""
+    k = self.k
+    out = k.out.at[slices]
+    if k.d > 1 and not k.tma_add:
+      self.owner_sum(acc_ref[...], tile, slices,
+                     lambda i, sub: self.store_sub(i, sub, self.out_smem, out))
+      return
+    if k.tma_add:  # The ring's last rounded add, by TMA: bf16(peers + bf16(own)).
+      self.owner_wait(tile)
+    acc = acc_ref[...].astype(k.out.dtype)
+    self.store_tile([acc[k.epi_slices(mi, ni)] for mi, ni in k.epi_tiles], self.out_smem,
+                    out, add=k.tma_add and k.hooks.reduce)
+
+  def remote(self, acc_ref, step, tile, offset, slices):
+    """A peer's tile (the peer at `offset`): staged locally for comm CTAs or the owner to move
+    on, or pushed into the owner's receive slot (its output with tma_add); announced now where
+    its step signals eagerly (or, pairs, beside the own chunk), else at the next epilogue."""
+    k, d = self.k, self.k.d
+    acc = acc_ref[...].astype(k.config.partial_dtype)
+    subs = [acc[k.epi_slices(mi, ni)] for mi, ni in k.epi_tiles]
+    if k.staging:
+      # Local staging at HBM speed; comm CTAs or the owner move it on.
+      self.store_tile(subs, self.send_smem, k.stage_local.at[step].at[slices])
+    for o in range(1, d):
+      @pl.when(offset == o)
+      def _():
+        if not k.staging:
+          # Into the owner's output to add onto (tma_add), else its receive slot;
+          # this rank's own buffer under the "comm" ablation.
+          whole, local = (k.out_all, k.out) if k.tma_add else (k.recv_gmem, k.recv_local)
+          dst = k.transport.peer(whole, k.rank, o) if k.hooks.comm else local
+          if not k.tma_add:
+            dst = dst.at[schedule.recv_slot(o)]
+          self.store_tile(subs, self.send_smem, dst.at[slices])
+        def announce_now(o=o):
+          plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+          self.announce(o, tile)
+
+        # An eager step (static: remote_step(o)), or a pair's remote half beside
+        # the own chunk, waits for its store and announces the tile now (deferred()).
+        if k.hooks.comm and schedule.remote_step(o, d) >= k.first_eager:
+          announce_now()
+        elif k.hooks.comm and k.pairs:
+          pl.when(step == k.steps - 1)(announce_now)
+
+  def exit_handshake(self, cta_index, num_compute):
+    """"owner": this warpgroup reads no peer any more (every load was waited on before its
+    sum); a rank exits only once its peers are done with its staging (XLA may reuse it)."""
+    k = self.k
+
+    @pl.when(self.wg < _NUM_COMPUTE_WGS)
+    def _():
+      for o in range(1, k.d):
+        k.transport.signal(k.sems, k.rank, o, k.where.done())
+
+    @pl.when((cta_index == 0) & (self.wg == 0))
+    @jax.named_scope("exit_wait")
+    def _():
+      k.transport.wait(k.sems, k.rank, k.where.done(),
+                       schedule.pull_done_target(k.d, num_compute))

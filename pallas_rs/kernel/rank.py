@@ -1,0 +1,148 @@
+"""One rank's kernel as data: the timing hooks and the facts of a call, decided once by
+body.kernel_body and read by its phases (the tile loop in body.py, the epilogues in
+epilogue.py)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from pallas_rs.kernel import schedule
+from pallas_rs.kernel.config import Config
+from pallas_rs.kernel.config import MatmulDimension
+
+# Stages a timing run may leave out (kernel_body's `skip`; Hooks says what each does).
+ABLATIONS = frozenset({"comm", "reduce", "gemm", "stage_wait", "recv_store", "owner_wait",
+                       "comm_signal", "owner_add"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Hooks:
+  """The ablation hooks in one place: which stages run (all, except for timing; the output is
+  then wrong). comm: peer tiles stay local (this rank's own receive slots, output or staging),
+  no pushes, signals or waits; reduce: the owner's loads and adds of received partials (with
+  tma_add: its add; the own partial is stored); gemm: the mainloop (epilogues of tiles of
+  zeros: the data movement alone); stage_wait: the comm CTAs' wait for a staged tile;
+  recv_store: a pulling comm CTA's store of what it pulled; owner_wait: the owner's wait for
+  its partials; owner_add: the owner's register reads and adds of the partials it loaded;
+  comm_signal (only without owner_wait): the comm CTAs' landed signals."""
+  comm: bool = True
+  reduce: bool = True
+  gemm: bool = True
+  stage_wait: bool = True
+  recv_store: bool = True
+  owner_wait: bool = True
+  comm_signal: bool = True
+  owner_add: bool = True
+
+  @classmethod
+  def skipping(cls, skip: frozenset[str]) -> "Hooks":
+    assert skip <= ABLATIONS, skip
+    assert "comm_signal" not in skip or "owner_wait" in skip, skip
+    return cls(**{name: name not in skip for name in ABLATIONS})
+
+
+@dataclasses.dataclass(frozen=True)
+class Rank:
+  """One rank's program of the D-device kernel: its config, where its buffers are and how its
+  tiles are walked and moved. Per rank (transport.bind): x [m, k_shard], w [k_shard, n],
+  out [m // D, n]; recv_local [D - 1, m // D, n] (receive slots, or None), stage_local
+  [D - 1, m // D, n] (staged peer tiles, or None); the *_gmem / out_all fields are the unbound
+  buffers, as transport.peer addresses them on other ranks."""
+  config: Config
+  d: int
+  hooks: Hooks
+  transport: Any
+  rank: Any
+  sems: Any
+  where: schedule.SemLayout
+  x: Any
+  w: Any
+  out: Any
+  out_all: Any
+  recv_gmem: Any
+  recv_local: Any
+  stage_gmem: Any
+  stage_local: Any
+  group: int  # chunks per CTA tile: 2 for "pairs" (schedule.chunk_group)
+  m_iters: int  # CTA tiles per step along M and N
+  n_iters: int
+  num_comm: int  # comm CTAs (0 at D = 1)
+
+  @property
+  def tiles(self) -> int:
+    return self.m_iters * self.n_iters
+
+  @property
+  def pairs(self) -> bool:
+    return self.group == 2
+
+  @property
+  def steps(self) -> int:
+    return schedule.num_steps(self.d, self.group)
+
+  @property
+  def pull(self) -> bool:
+    """Pulling comm CTAs (the owner's) move the staged tiles."""
+    return bool(self.num_comm) and self.config.comm_mode == "pull"
+
+  @property
+  def owner_pull(self) -> bool:
+    """comm_mode "owner": the owner's compute CTAs load the staged tiles (no comm CTAs)."""
+    return self.d > 1 and self.config.comm_mode == "owner"
+
+  @property
+  def staging(self) -> bool:
+    """Remote tiles go to this rank's staging buffer (comm CTAs or "owner" move them on)."""
+    return bool(self.num_comm) or self.owner_pull
+
+  @property
+  def tma_add(self) -> bool:
+    """The peers' partials land in the owner's output, which TMA-adds its own onto them."""
+    return self.config.tma_add and self.d > 1
+
+  @property
+  def ring(self) -> bool:
+    return self.config.owner_sum == "bf16_ring" and self.d > 1
+
+  @property
+  def slot_order(self) -> tuple[int, ...]:
+    return schedule.ring_slots(self.d) if self.ring else tuple(range(self.d - 1))
+
+  @property
+  def first_eager(self) -> int:
+    return schedule.first_eager_step(self.d, self.config.eager_signal_steps)
+
+  @property
+  def wg_m(self) -> bool:
+    return self.config.wg_dimension == MatmulDimension.M
+
+  @property
+  def epi_tiles(self) -> list[tuple[int, int]]:
+    """(row, column) of each epilogue sub-tile of a warpgroup tile, in store order."""
+    c = self.config
+    return [(mi, ni) for mi in range(c.tile_m // c.epi_tile_m)
+            for ni in range(c.tile_n // c.epi_tile_n)]
+
+  def epi_slices(self, mi: int, ni: int):
+    m, n = self.config.epi_tile_m, self.config.epi_tile_n
+    return slice(mi * m, (mi + 1) * m), slice(ni * n, (ni + 1) * n)
+
+  def walk(self, lin):
+    """(step, tile) of linear index `lin` of this rank's walk (schedule.step_and_tile)."""
+    return schedule.step_and_tile(lin, self.tiles, self.steps, self.config.interleave_steps)
+
+  def tile_slices(self, tile, wg_idx):
+    """((m_idx, n_idx), slices): the tile's row and column block and the rows and columns of
+    warpgroup `wg_idx`'s part of it, within a [chunk, n] array."""
+    c = self.config
+    m_idx, n_idx = plgpu.planar_snake(tile, (self.m_iters, self.n_iters), c.grid_minor_dim,
+                                      c.grid_tile_width)
+    row0, col0 = m_idx * c.cta_tile_m, n_idx * c.cta_tile_n
+    if self.wg_m and not self.pairs:
+      row0 += wg_idx * c.tile_m
+    elif not self.wg_m:
+      col0 += wg_idx * c.tile_n
+    return (m_idx, n_idx), (pl.ds(row0, c.tile_m), pl.ds(col0, c.tile_n))
