@@ -83,16 +83,9 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
   scoped = _allocations(k)
 
   if num_comm and hooks.comm:
-    ctx = comm_lib.CommContext(
-        config=config, num_devices=d, num_comm=num_comm, rank=rank, transport=transport,
-        sems=k.sems, where=where, tiles=k.tiles, part_dtype=jnp.dtype(config.partial_dtype),
-        tile_slices=k.tile_slices, recv_gmem=recv_gmem, recv_local=recv_local,
-        stage_gmem=stage_gmem, stage_local=stage_local, out_gmem=out_all, out_local=out_gmem,
-        stage_wait=hooks.stage_wait, recv_store=hooks.recv_store, signal=hooks.comm_signal)
-
     @pl.when(cta < num_comm)
     def _comm():
-      (comm_lib.pull_program if pull else comm_lib.push_program)(ctx, cta)
+      (comm_lib.pull_program if pull else comm_lib.push_program)(k, cta)
 
   if num_comm:
     @pl.when(cta >= num_comm)

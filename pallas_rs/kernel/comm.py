@@ -10,9 +10,7 @@ through SMEM and announce landed tiles on the owner's per-(slot, comm CTA) count
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import Any, Callable
 
 import jax
 import jax.experimental.pallas as pl
@@ -21,52 +19,28 @@ from jax import lax
 import jax.numpy as jnp
 
 from pallas_rs.kernel import schedule
-from pallas_rs.kernel.config import Config
+from pallas_rs.kernel.rank import Rank
 
 _NUM_COMPUTE_WGS = schedule.NUM_COMPUTE_WGS
 
 
-@dataclasses.dataclass(frozen=True)
-class CommContext:
-  """What a comm CTA shares with the rest of one rank's kernel (kernel.kernel_body)."""
-  config: Config
-  num_devices: int
-  num_comm: int
-  rank: Any
-  transport: Any
-  sems: Any
-  where: schedule.SemLayout
-  tiles: int  # output tiles per row chunk
-  part_dtype: Any
-  tile_slices: Callable  # (tile, wg) -> ((m_idx, n_idx), (rows, cols)) in a [chunk, n] array
-  recv_gmem: Any  # the receive slots as the transport addresses peers' (unbound)
-  recv_local: Any  # this rank's receive slots [D - 1, chunk, n]
-  stage_gmem: Any
-  stage_local: Any  # this rank's staged partials [D - 1, chunk, n]
-  out_gmem: Any = None  # config.tma_add: partials land in the owners' outputs (unbound)
-  out_local: Any = None  # config.tma_add: this rank's output [chunk, n]
-  stage_wait: bool = True  # False only for the "stage_wait" timing ablation
-  recv_store: bool = True  # False only for the "recv_store" timing ablation (pull)
-  signal: bool = True  # False only for the "comm_signal" timing ablation
-
-
-def _walk(ctx: CommContext, comm_index, wg_idx):
+def _walk(k: Rank, comm_index, wg_idx):
   """(num_tiles, tile_of, block) of comm CTA `comm_index`'s warpgroup `wg_idx`: it moves tiles
   tile_of(q) = comm_index + q * num_comm, q < num_tiles, of each step, and copy j is rows
   block(j) = (rows, cols) of tile j // blocks within a [chunk, n] array."""
-  rows = ctx.config.comm_rows
-  blocks = ctx.config.tile_m // rows
-  num_tiles = jnp.maximum(ctx.tiles - comm_index + ctx.num_comm - 1, 0) // ctx.num_comm
-  tile_of = lambda q: comm_index + q * ctx.num_comm
+  rows = k.config.comm_rows
+  blocks = k.config.tile_m // rows
+  num_tiles = jnp.maximum(k.tiles - comm_index + k.num_comm - 1, 0) // k.num_comm
+  tile_of = lambda q: comm_index + q * k.num_comm
 
   def block(j):
-    rs, cs = ctx.tile_slices(tile_of(j // blocks), wg_idx)[1]
+    rs, cs = k.tile_slices(tile_of(j // blocks), wg_idx)[1]
     return pl.ds(rs.start + lax.rem(j, blocks) * rows, rows), cs
 
   return num_tiles, tile_of, block
 
 
-def _announce_landed(ctx: CommContext, j, blocks: int, emit):
+def _announce_landed(k: Rank, j, blocks: int, emit):
   """After copy j (of tile j // blocks) is issued: once COMM_SIGNAL_BATCH more tiles are known
   to have landed, emit(COMM_SIGNAL_BATCH) announces them. At most COMM_SIGNAL_LAG later tiles'
   stores are pending, so tiles up to j // blocks - LAG have landed. One signal per batch, not
@@ -76,13 +50,13 @@ def _announce_landed(ctx: CommContext, j, blocks: int, emit):
   landed = j // blocks - lag + 1
 
   @pl.when((lax.rem(j, blocks) == blocks - 1) & (landed > 0) & (lax.rem(landed, batch) == 0)
-           & ctx.signal)
+           & k.hooks.comm_signal)
   def _():
     plgpu.wait_smem_to_gmem(lag * blocks, wait_read_only=False)
     emit(batch)
 
 
-def _announce_rest(ctx: CommContext, num_tiles, emit):
+def _announce_rest(k: Rank, num_tiles, emit):
   """After the last copy of a step: waits for every store (so the next step's TMA adds onto
   the same tiles come after them, tma_add), then announces the tiles that _announce_landed
   left (1 to LAG + BATCH - 1 of them; a signal's increment is static)."""
@@ -90,12 +64,12 @@ def _announce_rest(ctx: CommContext, num_tiles, emit):
   plgpu.wait_smem_to_gmem(0, wait_read_only=False)
   rest = num_tiles - jnp.maximum(num_tiles - lag, 0) // batch * batch
   for r in range(1, lag + batch):
-    @pl.when((rest == r) & ctx.signal)
+    @pl.when((rest == r) & k.hooks.comm_signal)
     def _(r=r):
       emit(r)
 
 
-def push_program(ctx: CommContext, comm_index):
+def push_program(k: Rank, comm_index):
   """Comm CTA `comm_index` of `num_comm` (kernel v3, docs/design.md section 3.2): for each
   peer in schedule order, pushes the staged tiles comm_index, +num_comm, ... to the owner's
   receive slot and signals the owner once they have landed. Warpgroup w moves compute
@@ -103,12 +77,13 @@ def push_program(ctx: CommContext, comm_index):
   loads), -> one of `sets` SMEM buffers -> the owner (TMA store). The reads are LSU loads, not
   TMA loads, because an SM's TMA load waits until its own earlier remote TMA stores have
   drained (section 3.2); measured, that did not make a comm CTA faster (~24 GB/s either way)."""
-  config, d = ctx.config, ctx.num_devices
-  rank, transport, sems, where = ctx.rank, ctx.transport, ctx.sems, ctx.where
-  rows, tile_n, stage_wait = config.comm_rows, config.tile_n, ctx.stage_wait
+  config, d = k.config, k.d
+  rank, transport, sems, where = k.rank, k.transport, k.sems, k.where
+  rows, tile_n, stage_wait = config.comm_rows, config.tile_n, k.hooks.stage_wait
   blocks = config.tile_m // rows
   sets = config.comm_buffer_sets
-  comm_scoped = dict(buf=plgpu.SMEM((_NUM_COMPUTE_WGS, sets, rows, tile_n), ctx.part_dtype))
+  comm_scoped = dict(buf=plgpu.SMEM((_NUM_COMPUTE_WGS, sets, rows, tile_n),
+                                    jnp.dtype(config.partial_dtype)))
 
   @functools.partial(pl.run_scoped, collective_axes="wg", **comm_scoped)
   def _scope(buf):
@@ -116,14 +91,14 @@ def push_program(ctx: CommContext, comm_index):
 
     @pl.when(wg_idx < _NUM_COMPUTE_WGS)
     def _pusher():
-      num_tiles, tile_of, block = _walk(ctx, comm_index, wg_idx)
+      num_tiles, tile_of, block = _walk(k, comm_index, wg_idx)
       for step in range(d - 1):  # Static peers: see transport.py.
-        o, src = schedule.dst_offset(step, d), ctx.stage_local.at[step]
+        o, src = schedule.dst_offset(step, d), k.stage_local.at[step]
         slot = schedule.recv_slot(o)
         if config.tma_add:  # The owner TMA-adds its own partial onto it (D = 2).
-          dst = transport.peer(ctx.out_gmem, rank, o)
+          dst = transport.peer(k.out_all, rank, o)
         else:
-          dst = transport.peer(ctx.recv_gmem, rank, o).at[slot]
+          dst = transport.peer(k.recv_gmem, rank, o).at[slot]
 
         def emit(inc, o=o, slot=slot):
           transport.signal(sems, rank, o, where.delivered(slot, comm_index, wg_idx), inc)
@@ -142,15 +117,15 @@ def push_program(ctx: CommContext, comm_index):
           plgpu.commit_smem()
           plgpu.copy_smem_to_gmem(buf.at[wg_idx, b], dst.at[block(j)])
 
-          _announce_landed(ctx, j, blocks, emit)
+          _announce_landed(k, j, blocks, emit)
           return carry
 
         with jax.named_scope(f"comm_push_step{step}"):  # (profile: one event pair a step)
           lax.fori_loop(0, num_tiles * blocks, push, None)
-          _announce_rest(ctx, num_tiles, emit)
+          _announce_rest(k, num_tiles, emit)
 
 
-def pull_program(ctx: CommContext, comm_index):
+def pull_program(k: Rank, comm_index):
   """Comm CTA `comm_index` of `num_comm` for this rank as owner (kernel v3 pull, docs/design.md
   section 3.2): for each remote step s in order (the peer at offset s + 1 computes this rank's
   chunk at its step s: ring order), TMA-loads that peer's staged partials of tiles comm_index,
@@ -162,14 +137,14 @@ def pull_program(ctx: CommContext, comm_index):
   reading the peer's staging buffer, and comm CTA 0 waits until every peer is done with
   this rank's. No remote store is ever issued here, so no load queues behind one (the
   head-of-line effect, section 3.2)."""
-  config, d, num_comm = ctx.config, ctx.num_devices, ctx.num_comm
-  rank, transport, sems, where = ctx.rank, ctx.transport, ctx.sems, ctx.where
-  rows, tile_n, stage_wait = config.comm_rows, config.tile_n, ctx.stage_wait
+  config, d, num_comm = k.config, k.d, k.num_comm
+  rank, transport, sems, where = k.rank, k.transport, k.sems, k.where
+  rows, tile_n, stage_wait = config.comm_rows, config.tile_n, k.hooks.stage_wait
   blocks = config.tile_m // rows
   sets = config.comm_buffer_sets
   prefetch, reuse_wait = schedule.comm_prefetch(sets)
   comm_scoped = dict(
-      buf=plgpu.SMEM((_NUM_COMPUTE_WGS, sets, rows, tile_n), ctx.part_dtype),
+      buf=plgpu.SMEM((_NUM_COMPUTE_WGS, sets, rows, tile_n), jnp.dtype(config.partial_dtype)),
       barrier=plgpu.Barrier(num_barriers=_NUM_COMPUTE_WGS * sets),
   )
 
@@ -179,14 +154,14 @@ def pull_program(ctx: CommContext, comm_index):
 
     @pl.when(wg_idx < _NUM_COMPUTE_WGS)
     def _puller():
-      num_tiles, tile_of, block = _walk(ctx, comm_index, wg_idx)
+      num_tiles, tile_of, block = _walk(k, comm_index, wg_idx)
       count = num_tiles * blocks
 
       for step in range(d - 1):  # Static peers: see transport.py.
         o = schedule.source_offset(step)
-        src = transport.peer(ctx.stage_gmem, rank, o).at[step]
+        src = transport.peer(k.stage_gmem, rank, o).at[step]
         slot = schedule.recv_slot(d - o)
-        dst = ctx.out_local if config.tma_add else ctx.recv_local.at[slot]
+        dst = k.out if config.tma_add else k.recv_local.at[slot]
         # Ring order is step order: each step's adds are issued after the previous step's
         # writes have completed (_announce_rest waits for them), so the sum's order is fixed.
         reduction = "add" if config.tma_add and step > 0 else None
@@ -210,7 +185,7 @@ def pull_program(ctx: CommContext, comm_index):
         def move(j, carry, dst=dst, load=load, emit=emit, reduction=reduction):
           b = lax.rem(j, sets)
           plgpu.barrier_wait(barrier.at[wg_idx * sets + b])
-          if ctx.recv_store:
+          if k.hooks.recv_store:
             plgpu.copy_smem_to_gmem(buf.at[wg_idx, b], dst.at[block(j)],
                                     reduction_op=reduction)
           else:
@@ -223,12 +198,12 @@ def pull_program(ctx: CommContext, comm_index):
             plgpu.wait_smem_to_gmem(reuse_wait, wait_read_only=True)
             load(j + prefetch)
 
-          _announce_landed(ctx, j, blocks, emit)
+          _announce_landed(k, j, blocks, emit)
           return carry
 
         with jax.named_scope(f"comm_pull_step{step}"):  # (profile: one event pair a step)
           lax.fori_loop(0, count, move, None)
-          _announce_rest(ctx, num_tiles, emit)
+          _announce_rest(k, num_tiles, emit)
 
       # Each load was waited on before its store: this warpgroup reads no peer any more.
       for o in range(1, d):
