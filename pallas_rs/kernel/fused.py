@@ -272,7 +272,7 @@ def fused_matmul_reduce_scatter(x, w, *, axis_name, num_devices: int,
 
   `ablate` (rank.ABLATIONS: "comm", "reduce", "gemm"): leave a stage out, for timing only;
   the result is then wrong
-  (body.kernel_body says what each leaves out). `unverified`: as in `check_supported`, for
+  (rank.Hooks says what each leaves out). `unverified`: as in `check_supported`, for
   experiments only."""
   m, k_shard = x.shape
   n = w.shape[1]
