@@ -12,6 +12,7 @@ on one GPU (loopback).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -67,14 +68,12 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
   m_iters, n_iters = schedule.tile_grid(m // d, w_gmem.shape[1], config.cta_tile_m,
                                         config.cta_tile_n, group)
   num_comm = config.comm_ctas if d > 1 else 0
-  owner_pull = d > 1 and config.comm_mode == "owner"
-  pull = bool(num_comm) and config.comm_mode == "pull"
-  where = schedule.SemLayout(d, m_iters * n_iters, num_comm, pull, owner_pull)
-  k = Rank(config=config, d=d, hooks=hooks, transport=transport, rank=rank,
-           sems=transport.semaphores(where.shape) if d > 1 else None, where=where,
+  k = Rank(config=config, d=d, hooks=hooks, transport=transport, rank=rank, sems=None,
            x=x_gmem, w=w_gmem, out=out_gmem, out_all=out_all, recv_gmem=recv_gmem,
            recv_local=recv_local, stage_gmem=stage_gmem, stage_local=stage_local,
            group=group, m_iters=m_iters, n_iters=n_iters, num_comm=num_comm)
+  if d > 1:
+    k = dataclasses.replace(k, sems=transport.semaphores(k.where.shape))
   assert k.staging == (stage_local is not None), (num_comm, k.owner_pull, stage_gmem)
   # tma_add: D = 2, or D > 2 where pulling comm CTAs add the peers' partials in ring order.
   assert not k.tma_add or (recv_gmem is None and (d == 2 or k.pull)), (d, k.pull, recv_gmem)
@@ -85,7 +84,7 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
   if num_comm and hooks.comm:
     @pl.when(cta < num_comm)
     def _comm():
-      (comm_lib.pull_program if pull else comm_lib.push_program)(k, cta)
+      (comm_lib.pull_program if k.pull else comm_lib.push_program)(k, cta)
 
   if num_comm:
     @pl.when(cta >= num_comm)

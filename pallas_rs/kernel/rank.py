@@ -56,8 +56,7 @@ class Rank:
   hooks: Hooks
   transport: Any
   rank: Any
-  sems: Any
-  where: schedule.SemLayout
+  sems: Any  # transport.semaphores(where.shape); None at D = 1
   x: Any
   w: Any
   out: Any
@@ -70,6 +69,11 @@ class Rank:
   m_iters: int  # CTA tiles per step along M and N
   n_iters: int
   num_comm: int  # comm CTAs (0 at D = 1)
+
+  @property
+  def where(self) -> schedule.SemLayout:
+    """Where each semaphore of this kernel lives."""
+    return schedule.SemLayout(self.d, self.tiles, self.num_comm, self.pull, self.owner_pull)
 
   @property
   def tiles(self) -> int:
