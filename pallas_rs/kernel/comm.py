@@ -163,7 +163,9 @@ def pull_program(k: Rank, comm_index):
         slot = schedule.recv_slot(d - o)
         dst = k.out if config.tma_add else k.recv_local.at[slot]
         # Ring order is step order: each step's adds are issued after the previous step's
-        # writes have completed (_announce_rest waits for them), so the sum's order is fixed.
+        # writes have completed (_announce_rest waits for them; a wait covers only this
+        # warpgroup's copies, which suffices: the same warpgroup moves a tile's rows in every
+        # step, _walk), so the sum's order is fixed.
         reduction = "add" if config.tma_add and step > 0 else None
 
         def load(j, step=step, src=src):
