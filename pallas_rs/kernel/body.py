@@ -61,19 +61,12 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
   out_all = out_gmem  # Every rank's outputs (tma_add: the peer's is where a partial goes).
   x_gmem, w_gmem, out_gmem, recv_local, stage_local = transport.bind(
       rank, x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem)
-  m = x_gmem.shape[0]
-  # Chunks per CTA tile: 2 ("pairs") where a 64-row chunk is one warpgroup tile and the
-  # warpgroups stack along M, so each warpgroup's tile has its own destination.
-  group = config.chunk_group(m, d)
-  m_iters, n_iters = schedule.tile_grid(m // d, w_gmem.shape[1], config.cta_tile_m,
-                                        config.cta_tile_n, group)
-  num_comm = config.comm_ctas if d > 1 else 0
   k = Rank(config=config, d=d, hooks=hooks, transport=transport, rank=rank, sems=None,
            x=x_gmem, w=w_gmem, out=out_gmem, out_all=out_all, recv_gmem=recv_gmem,
-           recv_local=recv_local, stage_gmem=stage_gmem, stage_local=stage_local,
-           group=group, m_iters=m_iters, n_iters=n_iters, num_comm=num_comm)
+           recv_local=recv_local, stage_gmem=stage_gmem, stage_local=stage_local)
   if d > 1:
     k = dataclasses.replace(k, sems=transport.semaphores(k.where.shape))
+  num_comm = k.num_comm
   assert k.staging == (stage_local is not None), (num_comm, k.owner_pull, stage_gmem)
   # tma_add: D = 2, or D > 2 where pulling comm CTAs add the peers' partials in ring order.
   assert not k.tma_add or (recv_gmem is None and (d == 2 or k.pull)), (d, k.pull, recv_gmem)
@@ -121,8 +114,7 @@ def _allocations(k: Rank) -> dict:
   """A compute CTA's SMEM: the pipeline's, the output's epilogue slots and, with D > 1, the
   owner's receive stages (not with tma_add) and the partials' slots (another dtype)."""
   c, d = k.config, k.d
-  out_dtype = k.out.dtype
-  part_dtype = jnp.dtype(c.partial_dtype) if d > 1 else out_dtype
+  out_dtype, part_dtype = k.out.dtype, k.part_dtype
   epi = (c.epi_tile_m, c.epi_tile_n)
   ignore = lambda *_, **__: None
   scoped = dict(

@@ -82,8 +82,7 @@ def push_program(k: Rank, comm_index):
   rows, tile_n, stage_wait = config.comm_rows, config.tile_n, k.hooks.stage_wait
   blocks = config.tile_m // rows
   sets = config.comm_buffer_sets
-  comm_scoped = dict(buf=plgpu.SMEM((_NUM_COMPUTE_WGS, sets, rows, tile_n),
-                                    jnp.dtype(config.partial_dtype)))
+  comm_scoped = dict(buf=plgpu.SMEM((_NUM_COMPUTE_WGS, sets, rows, tile_n), k.part_dtype))
 
   @functools.partial(pl.run_scoped, collective_axes="wg", **comm_scoped)
   def _scope(buf):
@@ -144,7 +143,7 @@ def pull_program(k: Rank, comm_index):
   sets = config.comm_buffer_sets
   prefetch, reuse_wait = schedule.comm_prefetch(sets)
   comm_scoped = dict(
-      buf=plgpu.SMEM((_NUM_COMPUTE_WGS, sets, rows, tile_n), jnp.dtype(config.partial_dtype)),
+      buf=plgpu.SMEM((_NUM_COMPUTE_WGS, sets, rows, tile_n), k.part_dtype),
       barrier=plgpu.Barrier(num_barriers=_NUM_COMPUTE_WGS * sets),
   )
 
@@ -160,7 +159,7 @@ def pull_program(k: Rank, comm_index):
       for step in range(d - 1):  # Static peers: see transport.py.
         o = schedule.source_offset(step)
         src = transport.peer(k.stage_gmem, rank, o).at[step]
-        slot = schedule.recv_slot(d - o)
+        slot = schedule.arrival_slot(step, d)
         dst = k.out if config.tma_add else k.recv_local.at[slot]
         # Ring order is step order: each step's adds are issued after the previous step's
         # writes have completed (_announce_rest waits for them; a wait covers only this

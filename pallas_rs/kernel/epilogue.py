@@ -115,14 +115,14 @@ class Epilogue:
 
   def _partials(self, j):
     """Slot j's partial [chunk, n]: this rank's receive slot, or ("owner") the staging of its
-    source, at offset D - 1 - j, which computed it at step D - 2 - j (this rank's own staging
-    under the "comm" ablation)."""
+    source, which computed it at step arrival_slot(j) (this rank's own staging under the
+    "comm" ablation)."""
     k = self.k
     if not k.owner_pull:
       return k.recv_local.at[j]
-    step = schedule.remote_step(j + 1, k.d)
-    return (k.transport.peer(k.stage_gmem, k.rank, k.d - 1 - j) if k.hooks.comm
-            else k.stage_local).at[step]
+    step = schedule.arrival_slot(j, k.d)
+    return (k.transport.peer(k.stage_gmem, k.rank, schedule.source_offset(step))
+            if k.hooks.comm else k.stage_local).at[step]
 
   def owner_sum(self, acc, tile, slices, emit):
     """The own tile's sum of all D partials, each out_dtype sub-tile handed to emit(i, sub)
@@ -193,7 +193,7 @@ class Epilogue:
     on, or pushed into the owner's receive slot (its output with tma_add); announced now where
     its step signals eagerly (or, pairs, beside the own chunk), else at the next epilogue."""
     k, d = self.k, self.k.d
-    acc = acc_ref[...].astype(k.config.partial_dtype)
+    acc = acc_ref[...].astype(k.part_dtype)
     subs = [acc[k.epi_slices(mi, ni)] for mi, ni in k.epi_tiles]
     if k.staging:
       # Local staging at HBM speed; comm CTAs or the owner move it on.

@@ -8,6 +8,7 @@ from typing import Any
 
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
 
 from pallas_rs.kernel import schedule
 from pallas_rs.kernel.config import Config
@@ -65,10 +66,38 @@ class Rank:
   recv_local: Any
   stage_gmem: Any
   stage_local: Any
-  group: int  # chunks per CTA tile: 2 for "pairs" (schedule.chunk_group)
-  m_iters: int  # CTA tiles per step along M and N
-  n_iters: int
-  num_comm: int  # comm CTAs (0 at D = 1)
+
+  @property
+  def group(self) -> int:
+    """Chunks per CTA tile: 2 ("pairs") where a 64-row chunk is one warpgroup tile and the
+    warpgroups stack along M, so each warpgroup's tile has its own destination."""
+    return self.config.chunk_group(self.x.shape[0], self.d)
+
+  @property
+  def m_iters(self) -> int:
+    """CTA tiles per step along M."""
+    return self._grid[0]
+
+  @property
+  def n_iters(self) -> int:
+    """CTA tiles per step along N."""
+    return self._grid[1]
+
+  @property
+  def _grid(self) -> tuple[int, int]:
+    c = self.config
+    return schedule.tile_grid(self.x.shape[0] // self.d, self.w.shape[1], c.cta_tile_m,
+                              c.cta_tile_n, self.group)
+
+  @property
+  def num_comm(self) -> int:
+    """Comm CTAs (none at D = 1)."""
+    return self.config.comm_ctas if self.d > 1 else 0
+
+  @property
+  def part_dtype(self):
+    """The dtype partials travel in (the output's at D = 1, where none do)."""
+    return jnp.dtype(self.config.partial_dtype) if self.d > 1 else self.out.dtype
 
   @property
   def where(self) -> schedule.SemLayout:

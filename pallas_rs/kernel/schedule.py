@@ -178,6 +178,13 @@ def remote_step(offset: Any, num_devices: int) -> Any:
   return num_devices - 1 - offset
 
 
+def arrival_slot(step: int, num_devices: int) -> int:
+  """The owner's receive slot of the partial it gets at remote `step` (from source owner +
+  step + 1: recv_slot(D - source_offset(step))); its own inverse, so also the step at which
+  slot j's source computed the owner's chunk."""
+  return num_devices - 2 - step
+
+
 def source_offset(step: int) -> int:
   """Offset from an owner of the source that computes the owner's chunk at its remote `step`
   (the owner's step-th arrival; step s comes from source owner + s + 1: ring order)."""

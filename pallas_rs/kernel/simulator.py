@@ -9,7 +9,8 @@ from typing import Any
 
 from pallas_rs.kernel.schedule import (COMM_SIGNAL_BATCH, COMM_SIGNAL_LAG, NUM_COMPUTE_WGS,
                                        first_eager_step, num_steps, own_step, pull_done_target,
-                                       recv_slot, remote_step, ring_slots, source_offset,
+                                       arrival_slot, recv_slot, remote_step, ring_slots,
+                                       source_offset,
                                        step_and_tile, wg_dst)
 
 
@@ -95,7 +96,8 @@ def cta_program(rank: int, cta: int, *, num_ctas: int, num_devices: int,
           for s in range(own_step(d)):
             o = source_offset(s)
             events.append(Event("wait_staged", rank, cta, s, tile, rank, s, target=1))
-            events.append(Event("pull", rank, cta, s, tile, (rank + o) % d, recv_slot(d - o)))
+            events.append(Event("pull", rank, cta, s, tile, (rank + o) % d,
+                                arrival_slot(s, d)))
         elif staged:  # One wait per slot: tile // n + 1 tiles delivered by comm CTA tile % n.
           events += [Event("wait_delivered", rank, cta, step, tile, rank, j,
                            target=tile // comm_ctas + 1) for j in range(d - 1)]
@@ -163,7 +165,7 @@ def _pull_program(rank: int, cta: int, *, comm_ctas: int, num_devices: int,
   events = []
   for step in range(own_step(d)):
     o = source_offset(step)
-    src, slot = (rank + o) % d, recv_slot(d - o)
+    src, slot = (rank + o) % d, arrival_slot(step, d)
     for q, tile in enumerate(range(cta, tiles_per_chunk, comm_ctas)):
       events.append(Event("wait_staged", rank, cta, step, tile, rank, step, target=1))
       events.append(Event("pull", rank, cta, step, tile, src, slot))
