@@ -139,7 +139,7 @@ def main(argv):
                        "dmk,dkn->dmn", a, b, preferred_element_type=jnp.float32).astype(a.dtype))}
       check = lambda out: reference.max_rel_error(jax.device_get(out), ref)
     base = tuned_config(m=m, k_shard=k_shard, n=n, dtype=args[0].dtype, num_devices=d)
-    fns, row["configs"] = dict(baselines), {}
+    fns, cfgs, row["configs"] = dict(baselines), {}, {}
     for cname in _CONFIGS.value:
       cfg = variant_config(base, cname)
       try:  # The kernel's own check, as its entry point will run it.
@@ -151,7 +151,8 @@ def main(argv):
         continue
       row["configs"][cname] = repr(cfg)
       for label in _ABLATIONS.value:
-        fns[label if cname == "table" else f"{cname}:{label}"] = build(VARIANTS[label], cfg)
+        key = label if cname == "table" else f"{cname}:{label}"
+        fns[key], cfgs[key] = build(VARIANTS[label], cfg), cfg
     for label, fn in fns.items():
       t = timing.time_function(fn, args, iterations=_ITERS.value, num_devices=d if nvlink else 1)
       row["times_us"][label] = t.times_us
@@ -159,9 +160,9 @@ def main(argv):
     for label in fns:
       if label.endswith("fused"):  # every unablated kernel's output is checked
         row.setdefault("max_rel_error", {})[label] = check(fns[label](*args))
-      cname, _, variant = label.rpartition(":")
-      cfg = variant_config(base, cname or "table")
-      if variant.startswith("moves") and cfg.comm_ctas:  # bytes one rank's comm CTAs move
+      cfg = cfgs.get(label)  # (None for XLA's baselines)
+      if cfg is not None and label.rpartition(":")[2].startswith("moves") and cfg.comm_ctas:
+        # The bytes one rank's comm CTAs move.
         moved = (d - 1) * (m // d) * n * cfg.partial_itemsize
         row.setdefault("comm_gbps_per_cta", {})[label] = (
             moved / (statistics.median(row["times_us"][label]) * 1e3) / cfg.comm_ctas)

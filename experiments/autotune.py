@@ -179,10 +179,10 @@ def _best(recs, margin: float = 0.0):
 
 
 def _reads_peers(cfg_json) -> bool:
-  """Whether a config (JSON) TMA-loads from peers (Config.reads_peers: jax >= 0.11.2)."""
-  cfg = cfg_json or {}
-  return cfg.get("comm_mode") == "owner" or (cfg.get("comm_mode") == "pull"
-                                             and bool(cfg.get("comm_ctas")))
+  """Whether a candidate's config (JSON; None for XLA) TMA-loads from peers
+  (Config.reads_peers: jax >= 0.11.2 on devices)."""
+  from pallas_rs import tuning  # pylint: disable=g-import-not-at-top
+  return cfg_json is not None and tuning.config_from_json(cfg_json).reads_peers
 
 
 def _fallback(recs, best):
