@@ -78,8 +78,8 @@ def case_config(d: int, m: int, n: int, k: int):
   """--variant applied to the kernel's default config for the shape; None without one."""
   if not _VARIANT.value:
     return None
-  from pallas_rs.kernel import config as config_lib  # pylint: disable=g-import-not-at-top
-  base = config_lib.default_config(m=m, n=n, k_shard=k // d, num_devices=d)
+  from pallas_rs.kernel import defaults  # pylint: disable=g-import-not-at-top
+  base = defaults.default_config(m=m, n=n, k_shard=k // d, num_devices=d)
   return config_variants.variant_config(base, _VARIANT.value)
 
 

@@ -131,10 +131,11 @@ def make_config(d: int, mode: str):
   (`config.with_numerics` sets partial_dtype and owner_sum, narrows the epilogue and shortens
   the pipeline to fit SMEM)."""
   from pallas_rs.kernel import config as config_lib  # pylint: disable=g-import-not-at-top
+  from pallas_rs.kernel import defaults  # pylint: disable=g-import-not-at-top
   from pallas_rs.kernel import fused  # pylint: disable=g-import-not-at-top
   p = problem(d)
   sms = fused.gpu_num_sms() or config_lib.DEFAULT_NUM_SMS
-  base = config_lib.default_config(m=p["m"], n=p["n"], k_shard=p["k_shard"], num_devices=d,
+  base = defaults.default_config(m=p["m"], n=p["n"], k_shard=p["k_shard"], num_devices=d,
                                    num_sms=sms)
   cfg = config_lib.with_numerics(base, mode, d)
   if not cfg.tma_add:  # Where the mode drops the TMA add, the split NVLink runs without it.

@@ -60,7 +60,7 @@ def main(argv):
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from pallas_rs.kernel import config as config_lib  # pylint: disable=g-import-not-at-top
+  from pallas_rs.kernel import defaults  # pylint: disable=g-import-not-at-top
   from pallas_rs.kernel import fused  # pylint: disable=g-import-not-at-top
   from pallas_rs import reference  # pylint: disable=g-import-not-at-top
   from pallas_rs.bench import shapes  # pylint: disable=g-import-not-at-top
@@ -114,7 +114,7 @@ def main(argv):
         ref = testing.stacked_reference(*args)
         check_unfused = jax.jit(reference.loopback_matmul_reduce_scatter)
         get = lambda o: np.asarray(jax.device_get(o).astype(np.float32))
-      base = config_lib.default_config(m=m, n=n, k_shard=k_shard, num_devices=d)
+      base = defaults.default_config(m=m, n=n, k_shard=k_shard, num_devices=d)
       outs = {}
       for name in _VARIANTS.value:
         cfg = variant_config(base, name)
@@ -155,7 +155,7 @@ def main(argv):
     for label in todo:
       case = shapes.by_name(label)
       m, n, k_shard = case.m, case.n, case.k // d
-      base = config_lib.default_config(m=m, n=n, k_shard=k_shard, num_devices=d)
+      base = defaults.default_config(m=m, n=n, k_shard=k_shard, num_devices=d)
       args = global_operands(1, m, k_shard, n)
       y = jax.device_put(jnp.zeros((m * d, n), jnp.bfloat16) + 1, NamedSharding(mesh, P("tp", None)))
       row = dict(name=label, d=d, m=m, n=n, k_shard=k_shard, times_us={}, configs={})

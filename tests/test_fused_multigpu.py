@@ -15,6 +15,7 @@ import helpers
 import pallas_rs
 from pallas_rs import reference
 from pallas_rs.kernel import config as config_lib
+from pallas_rs.kernel import defaults
 from pallas_rs.bench import shapes
 from pallas_rs.bench import testing
 
@@ -70,7 +71,7 @@ def test_tma_add_bit_identical_over_nvlink(m, n, k):
   # without the add: fused.nvlink_unverified; loopback finds the two splits bit-identical:
   # test_kernel_gpu.test_warpgroup_split_changes_no_bit).
   default = config_lib.with_numerics(
-      config_lib.default_config(m=m, n=n, k_shard=k // 2, num_devices=2), "unfused_order", 2)
+      defaults.default_config(m=m, n=n, k_shard=k // 2, num_devices=2), "unfused_order", 2)
   base = config_lib.fit_smem(config_lib.with_wg_along_n(
       dataclasses.replace(default, tma_add=False)), 2)
   added = config_lib.fit_smem(dataclasses.replace(default, tma_add=True), 2)
@@ -103,7 +104,7 @@ def test_owner_pull_bit_identical_over_nvlink(d):
   case = _case(d, m, n, k)
   mesh = helpers.make_mesh(d, devices=helpers.hopper_devices())
   base = config_lib.fit_smem(config_lib.with_wg_along_n(dataclasses.replace(
-      config_lib.default_config(m=m, n=n, k_shard=k // d, num_devices=d), tma_add=False)), d)
+      defaults.default_config(m=m, n=n, k_shard=k // d, num_devices=d), tma_add=False)), d)
   owner = dataclasses.replace(base, comm_mode="owner")
   op = lambda cfg: helpers.shard_mapped(functools.partial(
       pallas_rs.matmul_reduce_scatter, axis_name=helpers.AXIS, implementation="fused",

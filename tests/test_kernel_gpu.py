@@ -15,6 +15,7 @@ import pytest
 
 import helpers
 from pallas_rs.kernel import config as config_lib
+from pallas_rs.kernel import defaults
 from pallas_rs.kernel import fused
 from pallas_rs import reference
 from pallas_rs.bench import shapes
@@ -120,7 +121,7 @@ V3_COMM = [("push", 2), ("pull", 2), ("pull", 4)]
 def test_comm_ctas_bit_identical_to_direct_push(d, numerics, mode, ctas):
   m, n, k_shard = 256 * d, 1024, 512
   base = config_lib.with_numerics(
-      config_lib.default_config(m=m, n=n, k_shard=k_shard, num_devices=d), numerics, d)
+      defaults.default_config(m=m, n=n, k_shard=k_shard, num_devices=d), numerics, d)
   v3 = config_lib.fit_smem(dataclasses.replace(base, comm_ctas=ctas, comm_mode=mode), d)
   for cfg in (base, v3):  # Both must run: a rejected config is a failure here, not a skip.
     fused.check_supported(m=m, k_shard=k_shard, n=n, dtype=jnp.bfloat16, num_devices=d,
@@ -146,7 +147,7 @@ def test_comm_ctas_bit_identical_to_direct_push(d, numerics, mode, ctas):
 def test_warpgroups_split_along_m(d):
   m, n, k_shard = 256 * d, 1536, 512
   base = config_lib.fit_smem(dataclasses.replace(
-      config_lib.default_config(m=m, n=n, k_shard=k_shard, num_devices=d), tile_m=64,
+      defaults.default_config(m=m, n=n, k_shard=k_shard, num_devices=d), tile_m=64,
       tile_n=192, wg_dimension=config_lib.MatmulDimension.M), d)
   assert (base.cta_tile_m, base.cta_tile_n) == (128, 192)
   xs, ws = testing.stacked_inputs(7 * d, d, m, k_shard, n)
@@ -200,7 +201,7 @@ def test_pairs_of_64_row_chunks(d, n, k_shard, numerics):
     (1024, 1536, 512, (64, 192, _WG_M))])
 def test_tma_add_bit_identical_to_the_owner_epilogue(m, n, k_shard, tiles):
   d = 2
-  base = config_lib.default_config(m=m, n=n, k_shard=k_shard, num_devices=d)
+  base = defaults.default_config(m=m, n=n, k_shard=k_shard, num_devices=d)
   if tiles:
     base = dataclasses.replace(base, tile_m=tiles[0], tile_n=tiles[1], wg_dimension=tiles[2])
   base = config_lib.with_numerics(base, "unfused_order", d)
@@ -250,7 +251,7 @@ def test_warpgroup_split_changes_no_bit(d, numerics):
                                                     wg_dimension=_WG_M))])
 def test_interleaved_steps_change_no_bit(d, m, comm):
   n, k_shard = 1024, 512
-  base = dataclasses.replace(config_lib.default_config(m=m, n=n, k_shard=k_shard,
+  base = dataclasses.replace(defaults.default_config(m=m, n=n, k_shard=k_shard,
                                                        num_devices=d), **comm)
   base = config_lib.fit_smem(base, d)
   _same_bits([dataclasses.replace(base, interleave_steps=flag) for flag in (False, True)],
@@ -266,24 +267,87 @@ def test_interleaved_steps_change_no_bit(d, m, comm):
 @pytest.mark.parametrize("d,m,ctas", [(3, 768, 2), (4, 1024, 2), (4, 512, 4), (8, 1024, 2)])
 def test_ring_chain_of_comm_ctas_changes_no_bit(d, m, ctas):
   n, k_shard = 1024, 512
-  direct = config_lib.fit_smem(config_lib.with_numerics(config_lib.default_config(
+  direct = config_lib.fit_smem(config_lib.with_numerics(defaults.default_config(
       m=m, n=n, k_shard=k_shard, num_devices=d), "unfused_order", d), d)
   slots = config_lib.fit_smem(dataclasses.replace(direct, comm_ctas=ctas, comm_mode="pull"), d)
   added = dataclasses.replace(slots, tma_add=True)
   _same_bits([direct, slots, added], d, m, n, k_shard, seed=15000 + 10 * d)
 
 
-def test_ring_chain_back_to_back_calls():
+@pytest.mark.parametrize("numerics", list(config_lib.NUMERICS_MODES))
+def test_ring_chain_back_to_back_calls(numerics):
   fns = {}
   for d, m, ctas in ((4, 1024, 2), (8, 1024, 2)):
     base = config_lib.fit_smem(config_lib.with_numerics(config_lib.Config(
-        comm_ctas=ctas, comm_mode="pull"), "unfused_order", d), d)
+        comm_ctas=ctas, comm_mode="pull"), numerics, d), d)
     fns[d] = [jax.jit(functools.partial(fused.loopback_matmul_reduce_scatter, config=cfg))
-              for cfg in (base, dataclasses.replace(base, tma_add=True))]
+              for cfg in (base, config_lib.fit_smem(dataclasses.replace(base, tma_add=True), d))]
   for call in range(60):
     d, m = (8, 1024) if call % 2 else (4, 1024)
     xs, ws = testing.stacked_inputs(16000 + call, d, m, 512, 768)
     helpers.assert_same_bits(*(f(xs, ws) for f in fns[d]), call)
+
+
+# tma_add with the fp32 owner sum at D > 2 (Config.sum_slot, docs/design.md section 3.5):
+# pulling comm CTAs store the first partial into the fp32 receive slot 0 and TMA-add the others
+# onto it in ring order (bf16 partials widened to fp32 first); the owner loads that one sum and
+# adds its own accumulator last, as the owner's epilogue adds the D - 1 slots in ring order.
+# Every bit the same, subnormal partials included (a TMA add that flushed them, or a register
+# add that did, would differ there).
+@pytest.mark.parametrize("numerics", ["fp32_partials", "bf16_partials"])
+@pytest.mark.parametrize("d,m,ctas", [(3, 768, 2), (4, 1024, 2), (4, 512, 4), (8, 1024, 2)])
+def test_sum_slot_of_comm_ctas_changes_no_bit(d, m, ctas, numerics):
+  n, k_shard = 1024, 512
+  direct = config_lib.fit_smem(config_lib.with_numerics(dataclasses.replace(
+      defaults.default_config(m=m, n=n, k_shard=k_shard, num_devices=d), tma_add=False),
+      numerics, d), d)
+  slots = config_lib.fit_smem(dataclasses.replace(direct, comm_ctas=ctas, comm_mode="pull"), d)
+  added = config_lib.fit_smem(dataclasses.replace(slots, tma_add=True), d)
+  assert added.sum_slot and not slots.tma_add
+  _same_bits([direct, slots, added], d, m, n, k_shard, seed=19000 + 10 * d + len(numerics))
+  fns = [jax.jit(functools.partial(fused.loopback_matmul_reduce_scatter, config=c))
+         for c in (direct, added)]
+  xs, ws = testing.stacked_inputs(19500 + d, d, m, k_shard, n)
+  tiny = (xs * 2.0**-68).astype(xs.dtype), (ws * 2.0**-68).astype(ws.dtype)
+  want, got = (np.asarray(f(*tiny)) for f in fns)
+  assert np.any(want != 0), "the partials underflowed to zero: the check would prove nothing"
+  helpers.assert_same_bits(want, got, "subnormal")
+
+
+def test_tma_add_of_f32_is_the_fp32_add():
+  """The primitive the sum slot rests on: a TMA reduce-add of f32 SMEM onto f32 GMEM gives
+  fl32(a + b) bit for bit, subnormals, cancellations and infinities included (numpy's IEEE
+  round-to-nearest add, no flush to zero)."""
+  import jax.experimental.pallas as pl  # pylint: disable=g-import-not-at-top
+  import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
+  shape = (64, 128)
+
+  def body(a_gmem, b_gmem, out_gmem):
+    def scoped(smem, barrier):
+      for i, src in enumerate((a_gmem, b_gmem)):
+        plgpu.copy_gmem_to_smem(src, smem.at[i], barrier.at[i])
+        plgpu.barrier_wait(barrier.at[i])
+      plgpu.copy_smem_to_gmem(smem.at[0], out_gmem)
+      plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+      plgpu.copy_smem_to_gmem(smem.at[1], out_gmem, reduction_op="add")
+      plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+    pl.run_scoped(scoped, plgpu.SMEM((2, *shape), jnp.float32), plgpu.Barrier(num_barriers=2))
+
+  f = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(shape, jnp.float32),
+                   compiler_params=fused._compiler_params())
+  rng = np.random.default_rng(0)
+  a = (rng.standard_normal(shape) * np.exp2(rng.integers(-149, 128, shape))).astype(np.float32)
+  b = (rng.standard_normal(shape) * np.exp2(rng.integers(-149, 128, shape))).astype(np.float32)
+  b[::4] = -a[::4] * np.float32(1 + 2.0**-23)  # cancellations
+  b[1::4] = (a[1::4] * 2.0**-24).astype(np.float32)  # ties and sticky bits
+  a[2::8], b[2::8] = 2.0**-140, 2.0**-141  # subnormal + subnormal
+  a[3::8, :64], b[3::8, :64] = np.float32(2.0**-126), -np.float32(2.0**-127)  # to a subnormal
+  with np.errstate(over="ignore", invalid="ignore"):
+    want = a + b
+  got = np.asarray(jax.jit(f)(a, b))
+  assert np.count_nonzero((want != 0) & (np.abs(want) < 2.0**-126)) > 100
+  assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), np.argwhere(
+      got.view(np.uint32) != want.view(np.uint32))[:5]
 
 
 # comm_mode "owner" (docs/design.md section 3.2): no comm CTAs, remote tiles staged locally and
@@ -294,7 +358,7 @@ def test_ring_chain_back_to_back_calls():
 def test_owner_pull_bit_identical_to_direct_push(d, numerics):
   m, n, k_shard = 256 * d, 1024, 512
   base = config_lib.fit_smem(config_lib.with_numerics(dataclasses.replace(
-      config_lib.default_config(m=m, n=n, k_shard=k_shard, num_devices=d), tma_add=False),
+      defaults.default_config(m=m, n=n, k_shard=k_shard, num_devices=d), tma_add=False),
       numerics, d), d)
   _same_bits([base, dataclasses.replace(base, comm_mode="owner")], d, m, n, k_shard,
              seed=17000 + 100 * d)
@@ -306,7 +370,7 @@ def test_owner_pull_back_to_back_calls():
   # (TMA add off: the default adds) and D = 8, fresh inputs, every bit against the direct push.
   fns = {}
   for d, m in ((2, 1024), (8, 1024)):
-    base = config_lib.fit_smem(dataclasses.replace(config_lib.default_config(
+    base = config_lib.fit_smem(dataclasses.replace(defaults.default_config(
         m=m, n=768, k_shard=512, num_devices=d), tma_add=False), d)
     fns[d] = [jax.jit(functools.partial(fused.loopback_matmul_reduce_scatter, config=c))
               for c in (base, dataclasses.replace(base, comm_mode="owner"))]
@@ -323,7 +387,7 @@ def test_tma_add_back_to_back_calls():
   fns = {}
   for m, n, k_shard in ((512, 1024, 512), (1024, 768, 1024)):
     base = config_lib.with_numerics(
-        config_lib.default_config(m=m, n=n, k_shard=k_shard, num_devices=2), "unfused_order", 2)
+        defaults.default_config(m=m, n=n, k_shard=k_shard, num_devices=2), "unfused_order", 2)
     assert base.tma_add  # the D = 2 default
     fns[m] = [jax.jit(functools.partial(fused.loopback_matmul_reduce_scatter, config=cfg))
               for cfg in (dataclasses.replace(base, tma_add=False), base)]
@@ -341,7 +405,7 @@ def test_pairs_back_to_back_calls():
   for d, n, k_shard in ((8, 2048, 512), (4, 1536, 512)):
     cfg = config_lib.fit_smem(config_lib.with_numerics(config_lib.Config(
         tile_m=64, tile_n=256 if n % 256 == 0 else 192, wg_dimension=_WG_M),
-        config_lib.default_numerics(d), d), d)
+        defaults.default_numerics(d), d), d)
     assert cfg.chunk_group(64 * d, d) == 2
     fns[d] = (jax.jit(functools.partial(fused.loopback_matmul_reduce_scatter, config=cfg)),
               n, k_shard)

@@ -14,6 +14,7 @@ import pytest
 
 import helpers
 from pallas_rs.kernel import config as config_lib
+from pallas_rs.kernel import defaults
 from pallas_rs.kernel import fused
 from pallas_rs.tuning import candidates
 from pallas_rs.bench import shapes
@@ -27,7 +28,7 @@ def _seed_params_at_d8():
   default run; the others are slow (4-7 s each on 2 CPU cores; tests/conftest.py)."""
   seen, params = set(), []
   for case in SEEDS:
-    cfg = config_lib.default_config(m=case.m, n=case.n, k_shard=case.k // 8, num_devices=8)
+    cfg = defaults.default_config(m=case.m, n=case.n, k_shard=case.k // 8, num_devices=8)
     params.append(pytest.param(case, id=case.name,
                                marks=pytest.mark.slow if cfg in seen else ()))
     seen.add(cfg)
@@ -92,7 +93,7 @@ def test_rank_alone_lowers(d, m, n, k_shard, config):
 @pytest.mark.parametrize("m,n,k_shard,tiles", [
     (512, 8192, 4096, None), (128, 1024, 512, (64, 256, config_lib.MatmulDimension.M))])
 def test_tma_add_lowers(m, n, k_shard, tiles):
-  cfg = config_lib.default_config(m=m, n=n, k_shard=k_shard, num_devices=2)
+  cfg = defaults.default_config(m=m, n=n, k_shard=k_shard, num_devices=2)
   if tiles:
     cfg = dataclasses.replace(cfg, tile_m=tiles[0], tile_n=tiles[1], wg_dimension=tiles[2])
   cfg = config_lib.fit_smem(dataclasses.replace(cfg, tma_add=True), 2)
@@ -120,22 +121,34 @@ def test_tma_add_lowers(m, n, k_shard, tiles):
 
 
 def test_tma_add_refusals():
-  with pytest.raises(ValueError, match="owner_sum='fp32' must be 'bf16_ring'"):
-    config_lib.Config(tma_add=True)
+  shape = dict(m=1024, n=1024, k_shard=512)
   ring = dict(owner_sum="bf16_ring", tma_add=True)
+  f32 = dict(partial_dtype="float32", epi_tile_n=32, tma_add=True)
+  bf16 = dict(tma_add=True)  # bf16 partials, the fp32 owner sum
+  pull = dict(comm_ctas=2, comm_mode="pull")
   # At D > 2 only pulling comm CTAs add in a fixed order (docs/design.md section 3.5).
   for kw in ({}, dict(comm_ctas=2), dict(comm_ctas=2, comm_mode="push")):
-    with pytest.raises(NotImplementedError, match="needs pulling comm CTAs"):
-      config_lib.Config(**ring, **kw).check_shape(m=1024, n=1024, k_shard=512, num_devices=4)
-  config_lib.Config(**ring, comm_ctas=2, comm_mode="pull").check_shape(
-      m=1024, n=1024, k_shard=512, num_devices=4)
-  config_lib.Config(**ring, comm_ctas=2).check_shape(m=1024, n=1024, k_shard=512,
-                                                     num_devices=2)  # comm CTAs land it too
-  # Numerics transforms keep it only where the owner's sum stays the ring's.
+    for numerics in (ring, f32, bf16):
+      with pytest.raises(NotImplementedError, match="with pulling comm CTAs at D > 2"):
+        config_lib.Config(**numerics, **kw).check_shape(**shape, num_devices=4)
+  for numerics in (ring, f32, bf16):
+    config_lib.fit_smem(config_lib.Config(**numerics, **pull), 4).check_shape(**shape,
+                                                                              num_devices=4)
+  config_lib.Config(**ring, comm_ctas=2).check_shape(**shape, num_devices=2)  # comm CTAs land it
+  # The fp32 sum slot only at D > 2 (at D = 2 one partial: the receive slot itself).
+  for numerics, mode in ((f32, "fp32_partials"), (bf16, "bf16_partials")):
+    for kw in ({}, pull):
+      with pytest.raises(NotImplementedError, match=f"'{mode}' at num_devices=2 runs only"):
+        config_lib.Config(**numerics, **kw).check_shape(**shape, num_devices=2)
+  # Numerics transforms keep it only where it runs in the new mode.
   cfg = config_lib.Config(**ring)
   assert config_lib.with_numerics(cfg, "unfused_order", 2).tma_add
   assert not config_lib.with_numerics(cfg, "fp32_partials", 2).tma_add
   assert not config_lib.with_partial_dtype(cfg, "bfloat16", 2).tma_add
+  pulled = config_lib.Config(**ring, **pull)
+  for mode in ("fp32_partials", "bf16_partials"):
+    assert config_lib.with_numerics(pulled, mode, 4).sum_slot
+    assert not config_lib.with_numerics(pulled, mode, 2).tma_add
 
 
 def test_m_split_without_tma_add_is_refused_over_nvlink():
@@ -463,6 +476,37 @@ def test_ring_chain_of_pulling_comm_ctas_lowers(d):
     _export_shard_map(128 * d, 512, 256 * d, d, config=dataclasses.replace(base, tma_add=True))
 
 
+@pytest.mark.parametrize("d,numerics", [
+    (3, "fp32_partials"), (4, "fp32_partials"), (4, "bf16_partials"),
+    pytest.param(8, "fp32_partials", marks=pytest.mark.slow), (8, "bf16_partials")])
+def test_fp32_sum_slot_of_pulling_comm_ctas_lowers(d, numerics):
+  """tma_add with the fp32 owner sum at D > 2 (Config.sum_slot): pulling comm CTAs store the
+  first partial into receive slot 0 (fp32) and TMA-add the others onto it in ring order, bf16
+  partials widened first (comm_upcast); one receive slot instead of D - 1, and the owner's
+  receive stages stay (it loads the sum, in fp32). Every ablation that applies lowers, and
+  NVLink where remote TMA loads lower."""
+  base = config_lib.with_numerics(config_lib.Config(comm_ctas=2, comm_mode="pull"), numerics, d)
+  cfg = config_lib.fit_smem(dataclasses.replace(base, tma_add=True), d)
+  assert cfg.sum_slot and not cfg.sum_in_output
+  assert cfg.comm_upcast == (numerics == "bf16_partials")
+  assert cfg.fits_smem(d) and cfg.comm_buffer_sets >= 2
+  recv, stage = fused._exchange_buffers((d,), d, 128, 512, cfg)
+  assert recv.shape == (d, 1, 128, 512) and stage.shape == (d, d - 1, 128, 512)
+  assert recv.dtype == jnp.float32 and stage.dtype == jnp.dtype(cfg.partial_dtype)
+  xs = jax.ShapeDtypeStruct((d, 128 * d, 256), jnp.bfloat16)
+  ws = jax.ShapeDtypeStruct((d, 256, 512), jnp.bfloat16)
+  texts = {}
+  for c, ablate in ((base, ()), (cfg, ()), (cfg, ("reduce",)), (cfg, ("owner_add",)),
+                    (cfg, ("gemm",)), (cfg, ("comm",))):
+    text = jax.export.export(jax.jit(functools.partial(
+        fused.loopback_matmul_reduce_scatter, config=c, ablate=ablate)), platforms=["cuda"])(
+            xs, ws).mlir_module()
+    texts.setdefault(c.tma_add, text)
+  assert "cp.reduce" in texts[True] and "cp.reduce" not in texts[False]
+  if fused.remote_tma_loads_supported():
+    _export_shard_map(128 * d, 512, 256 * d, d, config=cfg)
+
+
 @pytest.mark.parametrize("d", [2, 4, pytest.param(8, marks=pytest.mark.slow)])
 def test_owner_pull_lowers(d):
   """comm_mode "owner" (docs/design.md section 3.2): remote tiles staged, the owner's epilogue
@@ -470,7 +514,7 @@ def test_owner_pull_lowers(d):
   every ablation that applies, one rank alone, and NVLink where remote TMA loads lower (else
   refused, naming the version)."""
   cfg = config_lib.fit_smem(config_lib.with_numerics(config_lib.Config(comm_mode="owner"),
-                                                     config_lib.default_numerics(d), d), d)
+                                                     defaults.default_numerics(d), d), d)
   assert len(fused._exchange_buffers((d,), d, 128, 512, cfg)) == 1  # staging only
   xs = jax.ShapeDtypeStruct((d, 128 * d, 256), jnp.bfloat16)
   ws = jax.ShapeDtypeStruct((d, 256, 512), jnp.bfloat16)
@@ -527,7 +571,7 @@ def test_warpgroups_along_m_lower(d, comm):
     jax.export.export(jax.jit(functools.partial(fused.local_matmul, config=cfg)),
                       platforms=["cuda"])(x, w)
     return
-  cfg = config_lib.fit_smem(config_lib.with_numerics(cfg, config_lib.default_numerics(d), d), d)
+  cfg = config_lib.fit_smem(config_lib.with_numerics(cfg, defaults.default_numerics(d), d), d)
   xs, ws = (jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((d, 128 * d, 512), (d, 512, 768)))
   jax.export.export(jax.jit(functools.partial(fused.loopback_matmul_reduce_scatter, config=cfg)),
                     platforms=["cuda"])(xs, ws)
@@ -541,13 +585,13 @@ def test_pairs_lower(d):
   # D = 2: fused.nvlink_unverified), so the D = 8 default is no longer pairs.
   cfg = config_lib.fit_smem(config_lib.with_numerics(config_lib.Config(
       tile_m=64, tile_n=256, wg_dimension=config_lib.MatmulDimension.M),
-      config_lib.default_numerics(d), d), d)
+      defaults.default_numerics(d), d), d)
   assert cfg.chunk_group(64 * d, d) == 2
   xs, ws = (jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((d, 64 * d, 512), (d, 512, 1024)))
   jax.export.export(jax.jit(functools.partial(fused.loopback_matmul_reduce_scatter, config=cfg)),
                     platforms=["cuda"])(xs, ws)
   if d == 8:
-    default = config_lib.default_config(m=512, n=8192, k_shard=1024, num_devices=8)
+    default = defaults.default_config(m=512, n=8192, k_shard=1024, num_devices=8)
     assert default.chunk_group(512, 8) == 1
     assert default.wg_dimension == config_lib.MatmulDimension.N
     with pytest.raises(NotImplementedError, match="along M without the TMA add"):
@@ -562,7 +606,7 @@ def test_interleaved_walk_reaches_the_kernel():
   def module(d, interleave):
     m, n, k = 64 * d, 512, 256 * d
     cfg = dataclasses.replace(
-        config_lib.default_config(m=m, n=n, k_shard=k // d, num_devices=d),
+        defaults.default_config(m=m, n=n, k_shard=k // d, num_devices=d),
         interleave_steps=interleave)
     return _export_shard_map(m, n, k, d, config=cfg).mlir_module()
 

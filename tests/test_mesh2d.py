@@ -25,7 +25,7 @@ import pytest
 
 import helpers
 import pallas_rs
-from pallas_rs.kernel import config as config_lib
+from pallas_rs.kernel import defaults
 from pallas_rs.kernel import fused
 from pallas_rs.tuning import gate
 from pallas_rs import platform
@@ -415,7 +415,7 @@ def _trace(mesh, axis_name, m, k_shard, n, *, axis_names=None, implementation="a
 
 
 def _entry(d, m, n, k_shard, implementation, kind):
-  cfg = config_lib.default_config(m=m, n=n, k_shard=k_shard, num_devices=d)
+  cfg = defaults.default_config(m=m, n=n, k_shard=k_shard, num_devices=d)
   return {"key": {"gpu_kind": kind, "num_devices": d, "m": m, "n": n, "k_shard": k_shard,
                   "dtype": "bfloat16"},
           "implementation": implementation, "config": tuning.config_to_json(cfg),

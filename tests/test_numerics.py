@@ -39,6 +39,7 @@ import numpy as np
 import pytest
 
 from pallas_rs.kernel import config
+from pallas_rs.kernel import defaults
 from pallas_rs.bench import numerics as nm
 from pallas_rs import reference
 from pallas_rs.kernel import schedule
@@ -110,11 +111,13 @@ def exact_fused(partials, partial_dtype):
   out = np.empty((d, m // d, n), object)
   for r in range(d):
     for idx in np.ndindex(m // d, n):
-      acc = p[(r, r) + idx]
-      for j in range(d - 1):
-        v = p[(schedule.source_of_slot(r, j, d), r) + idx]
-        acc = rn_f32(acc + (rn_bf16(v) if partial_dtype == "bfloat16" else v))
-      out[(r,) + idx] = rn_bf16(acc)
+      run = None  # The peers in NCCL's ring order (r+1, r+2, ...), the own partial last.
+      for i in range(1, d):
+        v = p[((r + i) % d, r) + idx]
+        v = rn_bf16(v) if partial_dtype == "bfloat16" else v
+        run = v if run is None else rn_f32(run + v)
+      own = p[(r, r) + idx]
+      out[(r,) + idx] = rn_bf16(own if run is None else rn_f32(run + own))
   return out
 
 
@@ -138,7 +141,7 @@ def random_partials(rng, d, m, n, scale=None):
 def test_numerics_modes_name_the_configs_pairs():
   assert set(nm.GUARANTEED_MODES) <= set(nm.MODE_NAMES)
   for d in (2, 4, 8):
-    base = config.default_config(m=256 * d, n=512, k_shard=512, num_devices=d)
+    base = defaults.default_config(m=256 * d, n=512, k_shard=512, num_devices=d)
     for mode, pair in nm.NUMERICS_MODES.items():
       cfg = config.with_numerics(base, mode, d)
       assert cfg.numerics == mode == nm.mode_of(cfg.partial_dtype, cfg.owner_sum)
@@ -284,14 +287,15 @@ def _ulp_bf16(x):
 
 
 def _sequential_f32(partials):
-  """S' [D, chunk, n]: the owner's fp32 sum in slot order (plain numpy float32 adds)."""
+  """S' [D, chunk, n]: the owner's fp32 sum, the peers in ring order (r+1, r+2, ...) and its
+  own partial last (plain numpy float32 adds)."""
   d, m, n = partials.shape
   b = partials.reshape(d, d, m // d, n)
   out = []
   for r in range(d):
-    acc = b[r, r].copy()
-    for j in range(d - 1):
-      acc = np.float32(acc + b[schedule.source_of_slot(r, j, d), r])
+    acc = b[(r + 1) % d, r].copy()
+    for i in range(2, d + 1):
+      acc = np.float32(acc + b[(r + i) % d, r])
     out.append(acc)
   return np.stack(out)
 
@@ -506,6 +510,27 @@ def test_unfused_order_is_bit_identical_to_the_unfused_emulation(d, inputs):
     out = nm.unfused_reduce_scatter(partials).astype(np.float32)
     assert np.signbit(out[0, 0, 0]) and out[0, 0, 0] == 0
     assert np.isnan(out[0, 0, 1]) and out[0, 0, 2] == np.inf
+
+
+@pytest.mark.parametrize("d", [2, 3, 4, 8])
+def test_fp32_partials_are_the_promoted_ring_sum(d):
+  """Every owner sum adds in NCCL's ring order, the own partial last (so pulling comm CTAs can
+  chain the peers' fp32 partials into one slot, Config.sum_slot): with fp32 partials that is
+  the unfused path's ring order in fp32, rounded once; not the old order (own first, then the
+  slots 0, 1, ...: sources r-1, r-2, ...) at D > 2."""
+  partials = random_partials(np.random.default_rng(40 + d), d, 16 * d, 64)
+  got = nm.fused_owner_sum(partials, mode="fp32_partials").view(np.uint16)
+  want = nm.unfused_reduce_scatter(partials, order="ring", accumulate="promoted")
+  assert np.array_equal(got, want.view(np.uint16))
+  # Cancellation tells the orders apart: p[r+1] = 2^30, p[r+2] = -2^30 and the own 1 sum to 1
+  # in the ring order; own first, 1 - 2^30 rounds to -2^30 in fp32 and the sum is 0.
+  c = np.zeros((d, d, 2, 8), np.float32)  # [source, chunk, rows, n]
+  for r in range(d):
+    c[r, r] = 1
+    c[(r + 1) % d, r] += 2.0**30
+    c[(r + 2) % d, r] -= 2.0**30
+  out = nm.fused_owner_sum(c.reshape(d, 2 * d, 8), mode="fp32_partials").astype(np.float32)
+  assert np.all(out == (1 if d > 2 else 0)), out[:, 0, 0]
 
 
 @pytest.mark.parametrize("d", [2, 4, 8])

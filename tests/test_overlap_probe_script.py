@@ -5,7 +5,7 @@ import json
 import pytest
 
 import helpers
-from pallas_rs.kernel import config as config_lib
+from pallas_rs.kernel import defaults
 
 STAND_INS = """
 def stand_in(x, w, *, axis_name, num_devices, config=None, ablate=()):
@@ -24,7 +24,7 @@ def overlap_probe():
 
 
 def test_variant_names(overlap_probe):
-  base = config_lib.default_config(m=8192, n=8192, k_shard=4096, num_devices=2)
+  base = defaults.default_config(m=8192, n=8192, k_shard=4096, num_devices=2)
   assert overlap_probe.variant_config(base, "v1") == base
   c4 = overlap_probe.variant_config(base, "c4_bf16")
   assert (c4.comm_ctas, c4.partial_dtype, c4.epi_tile_n) == (4, "bfloat16", 64)

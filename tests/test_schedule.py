@@ -4,6 +4,7 @@ import collections
 import pytest
 
 from pallas_rs.kernel import config as config_lib
+from pallas_rs.kernel import defaults
 from pallas_rs.kernel import schedule
 from pallas_rs.kernel import simulator
 from pallas_rs.bench import shapes
@@ -14,7 +15,7 @@ SEEDS = shapes.select(tags="seed")
 def _tiles(case, d):
   """(tiles per step, chunk group, interleaved walk) of the default config for the case at
   D = d."""
-  cfg = config_lib.default_config(m=case.m, n=case.n, k_shard=case.k // d, num_devices=d)
+  cfg = defaults.default_config(m=case.m, n=case.n, k_shard=case.k // d, num_devices=d)
   group = cfg.chunk_group(case.m, d)
   return ((group * case.m // d // cfg.cta_tile_m) * (case.n // cfg.cta_tile_n), group,
           cfg.interleave_steps)
@@ -139,7 +140,7 @@ def test_interleaved_walk_is_the_default_for_one_row_chunks():
   # BUILD_NOTES 2026-12-01 eighth session: 17-22% off a D = 8 M = 512 rank's GEMM core alone.
   cases = {(8, 512): True, (4, 512): True, (8, 2048): False, (4, 2048): False, (2, 512): False}
   for (d, m), want in cases.items():
-    cfg = config_lib.default_config(m=m, n=8192, k_shard=1024, num_devices=d)
+    cfg = defaults.default_config(m=m, n=8192, k_shard=1024, num_devices=d)
     assert cfg.interleave_steps == want, (d, m, cfg)
     assert want == (m // d == cfg.cta_tile_m)
 

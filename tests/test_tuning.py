@@ -16,6 +16,7 @@ import pytest
 from pallas_rs.kernel import ag_matmul
 from pallas_rs.tuning import candidates
 from pallas_rs.kernel import config as config_lib
+from pallas_rs.kernel import defaults
 from pallas_rs.kernel import fused
 from pallas_rs.tuning import gate
 from pallas_rs import platform
@@ -31,7 +32,7 @@ N, K_SHARD = 8192, 1024
 def _entry(m, implementation="fused", *, d=8, n=N, k_shard=K_SHARD, gpu_kind=H200,
            cfg=None, mode=None, fused_us=(10.0, 11.0), xla_us=(12.0, 13.0)):
   if cfg is None and implementation == "fused":
-    cfg = config_lib.default_config(m=m, n=n, k_shard=k_shard, num_devices=d)
+    cfg = defaults.default_config(m=m, n=n, k_shard=k_shard, num_devices=d)
   entry = {
       "key": {"gpu_kind": gpu_kind, "num_devices": d, "m": m, "n": n,
               "k_shard": k_shard, "dtype": "bfloat16"},
@@ -107,7 +108,7 @@ def test_heuristic_nearest_m_in_log_distance():
   assert "nearest measured shape m=1024" in d.reason and "roofline" in d.reason
   d = _choose(32768, table=table)
   assert (d.implementation, d.source) == ("xla", "heuristic")
-  assert d.config == config_lib.default_config(m=32768, n=N, k_shard=K_SHARD,
+  assert d.config == defaults.default_config(m=32768, n=N, k_shard=K_SHARD,
                                                num_devices=8)
   # Same (gpu_kind, D, n, k_shard) only: another k_shard or D is no neighbour.
   assert _choose(4096, table=table, k_shard=2048).source == "default"
@@ -120,7 +121,7 @@ def test_heuristic_revalidates_config_and_falls_through():
   d = _choose(512, table=_table(_entry(8192, cfg=big)))
   assert (d.implementation, d.source) == ("xla", "default")
   assert "does not fit" in d.reason
-  assert d.config == config_lib.default_config(m=512, n=N, k_shard=K_SHARD,
+  assert d.config == defaults.default_config(m=512, n=N, k_shard=K_SHARD,
                                                num_devices=8)
 
 
@@ -137,7 +138,7 @@ def test_default_is_xla_without_measurement(d):
   dec = _choose(8192, d=d, table=tuning.empty_table())
   assert (dec.implementation, dec.source) == ("xla", "default")
   assert "no measurement" in dec.reason
-  assert dec.config == config_lib.default_config(m=8192, n=N, k_shard=K_SHARD,
+  assert dec.config == defaults.default_config(m=8192, n=N, k_shard=K_SHARD,
                                                  num_devices=d)
 
 
@@ -425,7 +426,7 @@ def test_fused_without_config_runs_the_tuned_config(monkeypatch):
     assert forced(32768) == ("fused", xla_cfg, None)
     mine = config_lib.Config(tile_m=64, tile_n=64)
     assert forced(4096, config=mine) == ("fused", mine, None)
-  default = config_lib.default_config(m=4096, n=N, k_shard=K_SHARD, num_devices=8)
+  default = defaults.default_config(m=4096, n=N, k_shard=K_SHARD, num_devices=8)
   with tuning.use_table(tuning.empty_table()):
     impl, config, _ = forced(4096)
   assert impl == "fused" and config == dataclasses.replace(default, num_sms=config.num_sms)
@@ -595,9 +596,12 @@ def test_comm_variants_keep_the_tiles_and_vary_only_the_comm_path():
     got = candidates.comm_variants(incumbent, m=8192, n=8192, k_shard=2048, num_devices=4)
     assert len(got) == 7 and all(
         c.tma_add == (c.comm_mode == "pull" and c.comm_ctas > 0) for c in got), got
-  f32 = config_lib.with_numerics(base, "fp32_partials", 4)
-  assert not any(c.tma_add for c in candidates.comm_variants(
-      f32, m=8192, n=8192, k_shard=2048, num_devices=4))
+  # With the fp32 owner sum the same (the sum slot).
+  for mode in ("fp32_partials", "bf16_partials"):
+    got = candidates.comm_variants(config_lib.with_numerics(base, mode, 4), m=8192, n=8192,
+                                   k_shard=2048, num_devices=4)
+    assert got and all(c.sum_slot == (c.comm_mode == "pull" and c.comm_ctas > 0) for c in got)
+    assert any(c.sum_slot for c in got)
 
 
 def test_owner_variants_switch_the_tma_add_where_it_can_run():
@@ -618,6 +622,10 @@ def test_owner_variants_switch_the_tma_add_where_it_can_run():
       pull4, m=8192, n=8192, k_shard=2048, num_devices=4)] == [False, True]
   f32 = config_lib.with_numerics(base, "fp32_partials", 2)
   assert candidates.owner_variants(f32, m=8192, n=8192, k_shard=4096, num_devices=2) == [f32]
+  f32_pull4 = dataclasses.replace(config_lib.with_numerics(base, "fp32_partials", 4),
+                                  comm_ctas=4, comm_mode="pull")
+  assert [c.sum_slot for c in candidates.owner_variants(
+      f32_pull4, m=8192, n=8192, k_shard=2048, num_devices=4)] == [False, True]
   # A shape the tiles cannot take has no variants.
   assert candidates.comm_variants(base, m=8192, n=8192 + 128, k_shard=4096,
                                   num_devices=2) == []
@@ -654,7 +662,7 @@ def test_tile_variants_keep_the_comm_path_and_fill_the_sms():
 
 def test_default_tiles_follow_the_wave_model():
   m_dim = config_lib.MatmulDimension.M
-  cfg = lambda m, n, d: config_lib.default_config(m=m, n=n, k_shard=1024, num_devices=d)
+  cfg = lambda m, n, d: defaults.default_config(m=m, n=n, k_shard=1024, num_devices=d)
   # 128 x 256 (warpgroups along M) where it fills the SMs; 128 x 192 where 128 x 256 would
   # leave a quarter idle (Mixtral M = 512: 96 tiles); 64-row tiles for a 64-row chunk.
   assert (cfg(512, 8192, 2).cta_tile_m, cfg(512, 8192, 2).cta_tile_n) == (128, 256)
@@ -721,7 +729,7 @@ def test_a_pull_entry_falls_back_to_its_measured_push_config(monkeypatch):
   # Pulling comm CTAs need remote TMA loads (jax >= 0.11.2 on devices); the entry's fallback,
   # measured faster than XLA in the same run, runs where they cannot.
   monkeypatch.setattr(fused, "remote_tma_loads_supported", lambda: False)
-  base = config_lib.default_config(m=8192, n=N, k_shard=4096, num_devices=2)
+  base = defaults.default_config(m=8192, n=N, k_shard=4096, num_devices=2)
   pull = dataclasses.replace(base, comm_ctas=4, comm_mode="pull")
   entry = _entry(8192, d=2, k_shard=4096, cfg=pull)
   entry["fallback"] = {"config": tuning.config_to_json(base), "times_us": [11.0, 11.5]}
@@ -751,7 +759,7 @@ def test_autotune_times_a_pulling_entrys_fallback_beside_it(monkeypatch):
       flags.FLAGS.mark_as_parsed()
     monkeypatch.setattr(platform, "device_kind", lambda: H200)
     monkeypatch.setattr(fused, "remote_tma_loads_supported", lambda: True)
-    base = config_lib.default_config(m=8192, n=N, k_shard=4096, num_devices=2)
+    base = defaults.default_config(m=8192, n=N, k_shard=4096, num_devices=2)
     push = dataclasses.replace(base, comm_ctas=0)
     pull = dataclasses.replace(base, comm_ctas=4, comm_mode="pull")
     entry = _entry(8192, d=2, k_shard=4096, cfg=pull)

@@ -36,11 +36,12 @@ Unfused path (`unfused_reduce_scatter`), what XLA + NCCL compute for
 Fused path (`fused_owner_sum`), what body.py's `reduce_tile` computes on rank r, in one of
 the numerics modes (`NUMERICS_MODES`, config.NUMERICS_MODES: name ->
 (Config.partial_dtype, Config.owner_sum)):
-  owner_sum="fp32" ("fp32_partials", "bf16_partials"): acc = own fp32 partial P_r (never
-  rounded); for slot j = 0 .. D-2 (source (r - j - 1) % D, schedule.source_of_slot):
-  acc = fp32(acc + p_j), where p_j is the peer's fp32 partial rounded to bf16
-  (`partial_dtype="bfloat16"`, what the peer stores) or kept in fp32 (`"float32"`); finally one
-  rounding to bf16.
+  owner_sum="fp32" ("fp32_partials", "bf16_partials"): the peers' partials in NCCL's ring order
+  (schedule.ring_slots: sources r+1, r+2, ..., r+D-1), run = p_(r+1), run = fp32(run + p) for
+  each next one, where p is the peer's fp32 partial rounded to bf16 (`partial_dtype="bfloat16"`,
+  what the peer stores) or kept in fp32 (`"float32"`); then the own fp32 partial P_r (never
+  rounded) is added last, fp32(run + P_r), and the sum rounded once to bf16. With fp32 partials
+  that is `unfused_reduce_scatter(order="ring", accumulate="promoted")` term for term.
   owner_sum="bf16_ring" ("unfused_order", bf16 partials only): the unfused path's arithmetic.
   The slots are read in schedule.ring_slots order (sources r+1, r+2, ..., r+D-1); the running
   sum starts as the bf16 partial of r+1, each next peer is one bf16 add
@@ -246,9 +247,9 @@ def fused_owner_sum(partials, *, partial_dtype: str | None = None,
 
   The arithmetic is chosen by `mode` (a key of NUMERICS_MODES) or by `partial_dtype` and
   `owner_sum` (Config's fields; default "bfloat16" / "fp32", i.e. "bf16_partials"):
-  owner_sum="fp32": rank r's fp32 accumulator = own partial P_r[chunk r]; adds slot
-  j = 0 .. D-2 (source schedule.source_of_slot(r, j, D)) in fp32, each partial rounded to bf16
-  first when partial_dtype="bfloat16" (what the peer sends) or as is for "float32"; rounds once.
+  owner_sum="fp32": the slots in schedule.ring_slots order summed in fp32, each partial rounded
+  to bf16 first when partial_dtype="bfloat16" (what the peer sends) or as is for "float32", then
+  rank r's own fp32 partial P_r[chunk r] added last; rounds once.
   owner_sum="bf16_ring": the slots in schedule.ring_slots order, a bf16 add per peer after the
   first, the own partial rounded to bf16 and added last (module doc), as kernel.py's
   reduce_tile does it.
@@ -270,10 +271,12 @@ def fused_owner_sum(partials, *, partial_dtype: str | None = None,
       own = round_bf16(blocks[r, r])
       out[r] = (own if run is None else bf16_add(run, own)).astype(BF16)
       continue
-    acc = blocks[r, r]
-    for j in range(d - 1):
-      with np.errstate(over="ignore", invalid="ignore"):
-        acc = acc + sent[schedule.source_of_slot(r, j, d), r]
+    run = None  # The peers' running fp32 sum, as the kernel (or its sum slot) holds it.
+    with np.errstate(over="ignore", invalid="ignore"):
+      for j in schedule.ring_slots(d):
+        part = sent[schedule.source_of_slot(r, j, d), r]
+        run = part if run is None else run + part
+      acc = blocks[r, r] if run is None else run + blocks[r, r]
     out[r] = acc.astype(BF16)
   return out
 

@@ -50,15 +50,16 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
   """One rank's program: comm CTAs (comm.py) and compute CTAs (`_compute_program`).
 
   Per rank (transport.bind selects it): x [m, k_shard], w [k_shard, n], out [m // D, n],
-  recv [D - 1, m // D, n] (this rank's receive slots, partial_dtype; None when D == 1, with
-  tma_add, where the peers' partials land in out, or with comm_mode "owner"), stage
+  recv [D - 1, m // D, n] (this rank's receive slots, partial_dtype; [1, m // D, n] float32
+  with sum_slot; None when D == 1, with sum_in_output, where the peers' partials land in out,
+  or with comm_mode "owner"), stage
   [D - 1, m // D, n] (partial_dtype; with comm CTAs or "owner": this rank's peer tiles, waiting
   to be moved). `skip` leaves stages out, for timing only (rank.Hooks says which).
   """
   hooks = Hooks.skipping(skip)
   d = num_devices
   rank = transport.rank()
-  out_all = out_gmem  # Every rank's outputs (tma_add: the peer's is where a partial goes).
+  out_all = out_gmem  # Every rank's outputs (sum_in_output: where a peer's partial goes).
   x_gmem, w_gmem, out_gmem, recv_local, stage_local = transport.bind(
       rank, x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem)
   k = Rank(config=config, d=d, hooks=hooks, transport=transport, rank=rank, sems=None,
@@ -69,7 +70,8 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
   num_comm = k.num_comm
   assert k.staging == (stage_local is not None), (num_comm, k.owner_pull, stage_gmem)
   # tma_add: D = 2, or D > 2 where pulling comm CTAs add the peers' partials in ring order.
-  assert not k.tma_add or (recv_gmem is None and (d == 2 or k.pull)), (d, k.pull, recv_gmem)
+  assert not k.sum_in_output or (recv_gmem is None and (d == 2 or k.pull)), (d, k.pull)
+  assert not k.sum_slot or (recv_local.shape[0] == 1 and k.pull and d > 2), (d, k.pull)
   cta = lax.axis_index("cluster_grid")
   num_ctas = lax.axis_size("cluster_grid")
   scoped = _allocations(k)
@@ -112,7 +114,7 @@ def _pipeline(k: Rank, pipeline_body, compute_context):
 
 def _allocations(k: Rank) -> dict:
   """A compute CTA's SMEM: the pipeline's, the output's epilogue slots and, with D > 1, the
-  owner's receive stages (not with tma_add) and the partials' slots (another dtype)."""
+  owner's receive stages (not with sum_in_output) and the partials' slots (another dtype)."""
   c, d = k.config, k.d
   out_dtype, part_dtype = k.out.dtype, k.part_dtype
   epi = (c.epi_tile_m, c.epi_tile_n)
@@ -123,9 +125,9 @@ def _allocations(k: Rank) -> dict:
                           transforms=_swizzled(c.epi_tile_n, out_dtype)),
   )
   part_transforms = _swizzled(c.epi_tile_n, part_dtype)
-  if d > 1 and not k.tma_add:
-    scoped["part_smem"] = plgpu.SMEM((_NUM_COMPUTE_WGS, c.recv_stages, *epi), part_dtype,
-                                     transforms=part_transforms)
+  if d > 1 and not k.sum_in_output:
+    scoped["part_smem"] = plgpu.SMEM((_NUM_COMPUTE_WGS, c.recv_stages, *epi), k.recv_dtype,
+                                     transforms=_swizzled(c.epi_tile_n, k.recv_dtype))
     scoped["part_barrier"] = plgpu.Barrier(num_barriers=_NUM_COMPUTE_WGS * c.recv_stages)
   if d > 1 and part_dtype != out_dtype:
     scoped["send_smem"] = plgpu.SMEM((_NUM_COMPUTE_WGS, c.num_out_slots, *epi), part_dtype,

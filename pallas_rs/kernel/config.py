@@ -1,4 +1,5 @@
-"""Kernel configuration: a frozen, self-validating dataclass and the default heuristic."""
+"""Kernel configuration: a frozen, self-validating dataclass and what derives one config from
+another (numerics, warpgroup split, SMEM fit); the default choice is defaults.py."""
 from __future__ import annotations
 
 import dataclasses
@@ -18,6 +19,11 @@ DEFAULT_NUM_SMS = 132
 PARTIAL_DTYPES = ("bfloat16", "float32")
 # Largest TMA copy of a comm CTA: 4 x 32 KB in flight reach one SM's pull rate (design 3.2).
 COMM_COPY_BYTES = 32 * 1024
+# A pulling comm CTA that widens bf16 partials for the fp32 sum slot (Config.comm_upcast) does
+# it through fp32 SMEM sub-blocks of at most this size, UPCAST_SETS of them per warpgroup: 16
+# registers a thread, and room beside three 32 KB loads in flight.
+UPCAST_COPY_BYTES = 8 * 1024
+UPCAST_SETS = 2
 # How the owner adds the D partials of its chunk (Config.owner_sum; docs/design.md section 5):
 # "fp32" (one rounding at the end) or "bf16_ring" (the unfused path's arithmetic and order).
 OWNER_SUMS = ("fp32", "bf16_ring")
@@ -79,13 +85,16 @@ class Config:
       with comm_ctas = 0 "owner" (the source stages them, the owner's compute CTAs TMA-load
       them in their own epilogue: no comm CTA, no receive buffer, no remote store; 3.2),
       else the direct push.
-    owner_sum: how the owner adds the partials (OWNER_SUMS): "fp32" (its fp32 accumulator,
-      slot order, one rounding) or "bf16_ring" (bf16 partials only: the unfused path's
-      arithmetic, bit for bit wherever the partials equal cuBLAS's). `numerics` names the pair.
-    tma_add: the peers' partials land in the owner's output and the owner TMA-adds its own
-      bf16 partial onto them: the same bits, nothing loaded, no receive buffer ("bf16_ring"
-      only; D = 2, or D > 2 with pulling comm CTAs, which TMA-add the partials in ring order;
-      docs/design.md section 3.5).
+    owner_sum: how the owner adds the partials (OWNER_SUMS), both in NCCL's ring order (the
+      peers' from r + 1 on, its own last): "fp32" (in fp32, one rounding) or "bf16_ring" (bf16
+      partials only: the unfused path's arithmetic, bit for bit wherever the partials equal
+      cuBLAS's). `numerics` names the pair.
+    tma_add: the peers' partials are summed by TMA reduce-adds as they land, the same bits
+      (docs/design.md section 3.5; where: tma_add_runs): "bf16_ring" into the owner's output,
+      onto which the owner TMA-adds its own (`sum_in_output`: no receive buffer, nothing
+      loaded); with the "fp32" owner sum by pulling comm CTAs at D > 2 into one fp32 receive
+      slot, which the owner loads once instead of D - 1 times (`sum_slot`; bf16 partials are
+      widened to fp32 by the comm CTA first, `comm_upcast`).
     interleave_steps: the remote steps walked tile by tile, step fastest (the own step still
       last; schedule.step_and_tile): a wave reads fewer columns of w where a step is one row.
   """
@@ -153,9 +162,6 @@ class Config:
     for flag in ("tma_add", "interleave_steps"):
       if not isinstance(getattr(self, flag), bool):
         raise ValueError(f"{flag}={getattr(self, flag)!r} must be a bool")
-    if self.tma_add and self.owner_sum != "bf16_ring":
-      raise ValueError(f"tma_add adds bf16 onto bf16; owner_sum={self.owner_sum!r} must be "
-                       "'bf16_ring' (numerics mode 'unfused_order')")
     object.__setattr__(self, "grid_minor_dim", MatmulDimension(self.grid_minor_dim))
     object.__setattr__(self, "wg_dimension", MatmulDimension(self.wg_dimension))
 
@@ -183,6 +189,33 @@ class Config:
     return next(k for k, v in NUMERICS_MODES.items() if v == (self.partial_dtype, self.owner_sum))
 
   @property
+  def sum_in_output(self) -> bool:
+    """The peers' bf16 partials land in the owner's output (tma_add, "bf16_ring")."""
+    return self.tma_add and self.owner_sum == "bf16_ring"
+
+  @property
+  def sum_slot(self) -> bool:
+    """The peers' partials are TMA-added in fp32 into one receive slot (tma_add, "fp32")."""
+    return self.tma_add and self.owner_sum == "fp32"
+
+  @property
+  def comm_upcast(self) -> bool:
+    """The pulling comm CTAs widen bf16 partials to fp32 (registers) for the sum slot."""
+    return self.sum_slot and self.partial_dtype != "float32"
+
+  @property
+  def recv_dtype(self) -> str:
+    """The receive slots' dtype: the partials', or float32 for the sum slot."""
+    return "float32" if self.sum_slot else self.partial_dtype
+
+  def receive_slots(self, num_devices: int) -> int:
+    """Receive slots per rank: one per peer, one for the peers' sum (sum_slot), or none where
+    the partials land in the output (sum_in_output) or wait in the sources' staging ("owner")."""
+    if num_devices == 1 or self.sum_in_output or self.comm_mode == "owner":
+      return 0
+    return 1 if self.sum_slot else num_devices - 1
+
+  @property
   def staged(self) -> bool:
     """Whether remote tiles go to the rank's own staging buffer (comm CTAs, or "owner")."""
     return self.comm_ctas > 0 or self.comm_mode == "owner"
@@ -207,14 +240,28 @@ class Config:
     return rows
 
   @property
+  def comm_upcast_rows(self) -> int:
+    """Rows of one fp32 sub-block of a widening comm CTA (comm_upcast): UPCAST_COPY_BYTES."""
+    rows = self.comm_rows
+    while rows > 8 and rows * self.tile_n * 4 > UPCAST_COPY_BYTES:
+      rows //= 2
+    return rows
+
+  @property
   def _comm_copy_bytes(self) -> int:
     return self.comm_rows * self.tile_n * self.partial_itemsize
 
   @property
+  def _comm_upcast_bytes(self) -> int:
+    if not self.comm_upcast:
+      return 0
+    return 2 * UPCAST_SETS * self.comm_upcast_rows * self.tile_n * 4
+
+  @property
   def comm_buffer_sets(self) -> int:
     """SMEM buffers per comm warpgroup (one comm copy each): as many as fit, 1 to 4."""
-    copy = self._comm_copy_bytes
-    return next((s for s in (4, 3, 2) if 2 * s * copy + SMEM_SLACK_BYTES <= SMEM_LIMIT_BYTES), 1)
+    copy, fixed = self._comm_copy_bytes, self._comm_upcast_bytes + SMEM_SLACK_BYTES
+    return next((s for s in (4, 3, 2) if 2 * s * copy + fixed <= SMEM_LIMIT_BYTES), 1)
 
   def smem_bytes(self, num_devices: int, itemsize: int = 2) -> int:
     """Shared memory of a compute CTA, as allocated by kernel.py (plus a fixed slack)."""
@@ -224,15 +271,16 @@ class Config:
     if num_devices > 1:
       if self.partial_itemsize != itemsize:  # Separate SMEM slots for the partials sent.
         total += 2 * self.num_out_slots * epi * self.partial_itemsize
-      if not self.tma_add:  # The owner's receive prefetch stages.
-        total += 2 * self.recv_stages * epi * self.partial_itemsize
+      if not self.sum_in_output:  # The owner's receive prefetch stages.
+        total += 2 * self.recv_stages * epi * (4 if self.recv_dtype == "float32" else 2)
     return total + SMEM_SLACK_BYTES
 
   def comm_smem_bytes(self) -> int:
     """Shared memory of a comm CTA (0 without comm CTAs)."""
     if not self.comm_ctas:
       return 0
-    return 2 * self.comm_buffer_sets * self._comm_copy_bytes + SMEM_SLACK_BYTES
+    return (2 * self.comm_buffer_sets * self._comm_copy_bytes + self._comm_upcast_bytes
+            + SMEM_SLACK_BYTES)
 
   def fits_smem(self, num_devices: int, limit: int = SMEM_LIMIT_BYTES) -> bool:
     comm = self.comm_smem_bytes() if num_devices > 1 else 0
@@ -243,11 +291,13 @@ class Config:
     """Raises NotImplementedError if the kernel cannot take this (legal) problem with this config
     (`loopback`: on the one-GPU transport, whose D ranks share the GPU's CTAs)."""
     chunk = m // num_devices
-    if self.tma_add and num_devices > 2 and not tma_add_runs(
-        num_devices, self.owner_sum, self.comm_ctas, self.comm_mode):  # docs/design.md 3.5
-      raise NotImplementedError(
-          f"tma_add at {num_devices=} > 2 needs pulling comm CTAs (their adds in ring order "
-          f"are deterministic), got comm_ctas={self.comm_ctas}, comm_mode={self.comm_mode!r}")
+    if self.tma_add and num_devices > 1 and not tma_add_runs(
+        num_devices, self.owner_sum, self.comm_ctas, self.comm_mode):
+      raise NotImplementedError(  # docs/design.md 3.5
+          f"tma_add in numerics {self.numerics!r} at {num_devices=} runs "
+          + ("at D = 2 or " if self.owner_sum == "bf16_ring" else "only ")
+          + "with pulling comm CTAs at D > 2 (their adds in ring order are deterministic), got "
+          f"comm_ctas={self.comm_ctas}, comm_mode={self.comm_mode!r}")
     if self.chunk_group(m, num_devices) == 2:
       # Pairs: each warpgroup's tile has its own destination (docs/design.md section 3).
       if self.comm_ctas or self.eager_signal_steps or self.comm_mode == "owner":
@@ -287,11 +337,14 @@ class Config:
 
 def tma_add_runs(num_devices: int, owner_sum: str, comm_ctas: int = 0,
                  comm_mode: str = "push") -> bool:
-  """Whether the owner's TMA add (Config.tma_add) can run, and so is the default, in the ring's
-  numerics: at D = 2 (2-5 us less alone at small M), and at D > 2 with pulling comm CTAs, which
-  add the partials in ring order (2-10% faster in loopback); same bits (BUILD_NOTES 2026-12-01)."""
-  return owner_sum == "bf16_ring" and comm_mode != "owner" and (
-      num_devices == 2 or (num_devices > 2 and comm_ctas > 0 and comm_mode == "pull"))
+  """Whether the TMA add (Config.tma_add) can run: in the ring's numerics at D = 2 (the default
+  there: 2-5 us less alone at small M), and with pulling comm CTAs at D > 2, which add the
+  partials in ring order, bf16 into the output (2-10% faster in loopback) or, with the fp32
+  owner sum, in fp32 into one receive slot; the same bits (BUILD_NOTES 2026-12-01)."""
+  pulled = num_devices > 2 and comm_ctas > 0 and comm_mode == "pull"
+  if owner_sum == "bf16_ring":
+    return comm_mode != "owner" and (num_devices == 2 or pulled)
+  return pulled
 
 
 def nvlink_has_run(tile_n: int, wg_dimension, tma_add: bool, num_devices: int) -> bool:
@@ -300,16 +353,6 @@ def nvlink_has_run(tile_n: int, wg_dimension, tma_add: bool, num_devices: int) -
   side by side along N of at most 128 columns."""
   return (num_devices == 1 or tma_add
           or (MatmulDimension(wg_dimension) == MatmulDimension.N and tile_n <= 128))
-
-
-def default_numerics(num_devices: int) -> str:
-  """The numerics mode (NUMERICS_MODES) that keeps the seed's error rule at this D, at the
-  fewest bytes (docs/design.md section 5.2): "unfused_order" at D = 2 (the unfused path's own
-  arithmetic), "fp32_partials" at D = 3-4 (a guarantee; bf16 partials broke the rule at D = 4
-  and NCCL's order there is unchecked), "bf16_partials" at D = 8 (a wide measured margin)."""
-  if num_devices == 2:
-    return "unfused_order"
-  return "fp32_partials" if num_devices <= 4 else "bf16_partials"
 
 
 def with_partial_dtype(cfg: Config, partial_dtype: str, num_devices: int) -> Config:
@@ -322,14 +365,14 @@ def with_partial_dtype(cfg: Config, partial_dtype: str, num_devices: int) -> Con
 
 def with_numerics(cfg: Config, mode: str, num_devices: int) -> Config:
   """`cfg` in numerics mode `mode` (a key of NUMERICS_MODES), fitted to SMEM as
-  `with_partial_dtype` does; tma_add kept only where the mode's owner sum is "bf16_ring"."""
+  `with_partial_dtype` does; tma_add kept only where it runs in that mode (tma_add_runs)."""
   if mode not in NUMERICS_MODES:
     raise ValueError(f"numerics mode {mode!r} must be one of {tuple(NUMERICS_MODES)}")
   partial_dtype, owner_sum = NUMERICS_MODES[mode]
+  tma_add = cfg.tma_add and tma_add_runs(num_devices, owner_sum, cfg.comm_ctas, cfg.comm_mode)
   return fit_smem(dataclasses.replace(cfg, partial_dtype=partial_dtype, owner_sum=owner_sum,
                                       epi_tile_n=epi_tile_n_for(cfg.tile_n, partial_dtype),
-                                      tma_add=cfg.tma_add and owner_sum == "bf16_ring"),
-                  num_devices)
+                                      tma_add=tma_add), num_devices)
 
 
 def with_wg_along_n(cfg: Config) -> Config:
@@ -361,90 +404,3 @@ def epi_tile_n_for(tile_n: int, partial_dtype: str) -> int:
   """Epilogue sub-tile columns for `partial_dtype` partials (also the tuner's search space):
   fp32 sub-tiles of 64 x 32 take the SMEM of bf16 64 x 64 ones."""
   return min(32 if partial_dtype == "float32" else 64, tile_n)
-
-
-def _largest_steps(base: Config, num_devices: int, upper: int = 6) -> Config:
-  for steps in range(upper, 1, -1):
-    cfg = dataclasses.replace(base, max_concurrent_steps=steps)
-    if cfg.fits_smem(num_devices):
-      return cfg
-  return dataclasses.replace(base, max_concurrent_steps=2)
-
-
-# Default CTA tiles: (tile_m, tile_n, wg_dimension) -> time per unit of tile area relative to
-# the best, measured on one H200 over the 16 small-M per-GPU GEMMs of the seed
-# (experiments/gemm_core.py, BUILD_NOTES 2026-12-01): warpgroups stacked along M (64 x 256 each)
-# beat the same 128 x 256 CTA tile split along N by 0-2.5% on 13 of 16; 128 x 192 tiles cost
-# ~2% more per area but fill the SMs where 128 x 256 ones leave them idle (Mixtral M = 512: 96
-# tiles on 132 SMs; 0.79-0.90x XLA's dot instead of 0.98-1.08x); 128 x 128 and 64 x 256 CTA
-# tiles cost ~9-10% more, 64 x 128 ones 46-65% more (the M split's 128 x 128 and 128 x 64: guessed).
-_DEFAULT_TILES = {(64, 256, MatmulDimension.M): 1.0, (64, 192, MatmulDimension.M): 1.02,
-                  (128, 128, MatmulDimension.N): 1.01, (128, 64, MatmulDimension.N): 1.09,
-                  (64, 128, MatmulDimension.M): 1.09, (64, 128, MatmulDimension.N): 1.1,
-                  (64, 64, MatmulDimension.N): 1.55, (64, 64, MatmulDimension.M): 1.6}
-
-
-def _default_tiles(chunk: int, n: int, num_devices: int, num_sms: int, tma_add: bool):
-  """The CTA tile of least modelled time: waves (the D chunks' tiles over num_sms CTAs, rounded
-  up) x tile area x its relative cost (_DEFAULT_TILES); ties go to the earlier tile. A 128-row
-  tile over a pair of 64-row chunks (schedule.chunk_group) counts as one tile of the pair.
-  Only tiles NVLink has run with or without `tma_add` (nvlink_has_run)."""
-  best = None
-  for (tile_m, tile_n, wg), slowdown in _DEFAULT_TILES.items():
-    if not nvlink_has_run(tile_n, wg, tma_add, num_devices):
-      continue
-    cta_m, cta_n = cta_tile(tile_m, tile_n, wg)
-    group = schedule.chunk_group(chunk, tile_m, wg == MatmulDimension.M, num_devices)
-    if group * chunk % cta_m or n % cta_n:
-      continue
-    tiles = schedule.total_tiles(chunk, n, cta_m, cta_n, num_devices, group)
-    cost = -(-tiles // num_sms) * cta_m * cta_n * slowdown
-    if best is None or cost < best[0]:
-      best = (cost, (tile_m, tile_n, wg))
-  return best[1] if best else None
-
-
-def default_config(*, m: int, n: int, k_shard: int, num_devices: int,
-                   num_sms: int = DEFAULT_NUM_SMS) -> Config:
-  """A valid config for every shape the kernel supports (heuristic, not tuned).
-
-  Raises NotImplementedError if no tiling fits the shape.
-  """
-  chunk = m // num_devices
-  where = f"(per-device problem m={m}, n={n}, k_shard={k_shard}, {num_devices=})"
-  if chunk < 64:
-    raise NotImplementedError(
-        f"m // num_devices = {m} // {num_devices} = {chunk} rows is below the smallest tile "
-        f"(64); no padding {where}")
-  if chunk % 64:
-    raise NotImplementedError(
-        f"m // num_devices = {chunk} is not a multiple of 64 (tile_m); no padding {where}")
-  if n % 64:
-    raise NotImplementedError(
-        f"{n=} is not a multiple of 64 (the narrowest CTA tile); no padding {where}")
-  tile_k = 64
-  if k_shard % tile_k:
-    raise NotImplementedError(f"{k_shard=} is not a multiple of 64 (tile_k); no padding {where}")
-  partial_dtype, owner_sum = NUMERICS_MODES[default_numerics(num_devices)]
-  tma_add = tma_add_runs(num_devices, owner_sum)
-  # The M split only with the TMA add (or at D = 1): without it, it has not completed over
-  # NVLink (nvlink_has_run); alone, the N split of the same CTA tile costs 0-5% (seventh
-  # session), Mixtral M = 512 at D = 4 (no 128 x 192) 15-22% (BUILD_NOTES 2026-12-01).
-  tiles = _default_tiles(chunk, n, num_devices, num_sms, tma_add)
-  if tiles is None:
-    m_split = nvlink_has_run(64, MatmulDimension.M, tma_add, num_devices)
-    raise NotImplementedError(
-        f"{n=} is not a multiple of 128, which the warpgroups side by side along N need, "
-        + (f"and m // num_devices = {chunk} not of 128 (a 64-row tile needs 128 columns)"
-           if m_split else "and the M split runs only with the TMA add")
-        + f": no CTA tile fits; no padding {where}")
-  tile_m, tile_n, wg = tiles
-  cfg = Config(tile_m=tile_m, tile_n=tile_n, tile_k=tile_k, epi_tile_m=64,
-               epi_tile_n=epi_tile_n_for(tile_n, partial_dtype), wg_dimension=wg, num_sms=num_sms,
-               partial_dtype=partial_dtype, owner_sum=owner_sum)
-  cfg = _largest_steps(cfg, num_devices)
-  cfg = dataclasses.replace(  # steps as measured
-      cfg, tma_add=tma_add,
-      interleave_steps=schedule.interleave_pays(chunk, cfg.cta_tile_m, num_devices))
-  cfg.check_shape(m=m, n=n, k_shard=k_shard, num_devices=num_devices)
-  return cfg

@@ -24,28 +24,27 @@ def _round(x, dtype):
   return x.astype(dtype).astype(jnp.float32)
 
 
-def _add_partial(own, run, part, *, ring: bool, out_dtype):
-  """The owner's sum, one partial (f32) at a time, in slot order -> (own, run): "fp32" adds it
-  to the own fp32 partial `own`; "bf16_ring" to the running bf16 sum `run` (the unfused path's
-  rounding per add; None before the first)."""
-  if ring:
-    return own, part if run is None else _round(run + part, out_dtype)
-  return own + part, run
+def _add_partial(run, part, *, ring: bool, out_dtype):
+  """The running sum of the received partials (f32; None before the first), one more added in
+  ring order: "bf16_ring" rounds it after every add (the unfused path's rounding), "fp32" not."""
+  if run is None:
+    return part
+  return _round(run + part, out_dtype) if ring else run + part
 
 
 def _finish_sum(own, run, *, ring: bool, out_dtype):
-  """The sum after the last partial: "bf16_ring" adds the own partial last, rounded like every
-  other partial."""
-  if ring and run is not None:
-    return run + _round(own, out_dtype)
-  return own
+  """The own partial added last: "bf16_ring" rounded to bf16 like every other partial, "fp32"
+  as it is (one rounding of the whole sum follows)."""
+  if run is None:
+    return own
+  return run + (_round(own, out_dtype) if ring else own)
 
 
 @dataclasses.dataclass(frozen=True)
 class Epilogue:
   """Compute warpgroup `wg` of one rank's CTA, with its CTA's epilogue SMEM: `out_smem` (the
   output's sub-tiles on their way out), `send_smem` (the partials', when their dtype differs),
-  `part_smem` / `part_barrier` (the owner's receive stages; None with tma_add)."""
+  `part_smem` / `part_barrier` (the owner's receive stages; None with sum_in_output)."""
   k: Rank
   wg: Any
   out_smem: Any
@@ -96,7 +95,7 @@ class Epilogue:
     return lazy & (step != k.steps - 1) if k.pairs else lazy
 
   def owner_wait(self, tile):
-    """Until the own tile `tile`'s D - 1 partials have landed (receive slots; tma_add: the
+    """Until the own tile `tile`'s D - 1 partials have landed (receive slots; sum_in_output: the
     output; "owner": the sources' staging)."""
     k, d = self.k, self.k.d
     if not (k.hooks.comm and k.hooks.owner_wait):
@@ -126,10 +125,11 @@ class Epilogue:
 
   def owner_sum(self, acc, tile, slices, emit):
     """The own tile's sum of all D partials, each out_dtype sub-tile handed to emit(i, sub)
-    as soon as it is summed (config.owner_sum): "fp32": acc (f32) + the received partials
-    in slot order, rounded once; "bf16_ring": the unfused path's arithmetic,
-    schedule.ring_slots. Emitting as it goes keeps no summed tile live beside acc (with
-    D - 1 > 1 partials, holding them spilled registers: BUILD_NOTES 2026-12-01)."""
+    as soon as it is summed (config.owner_sum), the received partials in ring order
+    (Rank.slot_order; sum_slot: their sum, one load), then acc: "fp32" in fp32, rounded
+    once; "bf16_ring" the unfused path's arithmetic. Emitting as it goes keeps no summed
+    tile live beside acc (with D - 1 > 1 partials, holding them spilled registers:
+    BUILD_NOTES 2026-12-01)."""
     k = self.k
     out_dtype, recv_stages = k.out.dtype, k.config.recv_stages
     self.owner_wait(tile)
@@ -164,8 +164,8 @@ class Epilogue:
         slot, barrier = stage(i)
         plgpu.barrier_wait(barrier)
         if k.hooks.owner_add:
-          part = slot[...].astype(jnp.float32)
-          own, run = _add_partial(own, run, part, ring=k.ring, out_dtype=out_dtype)
+          run = _add_partial(run, slot[...].astype(jnp.float32), ring=k.ring,
+                             out_dtype=out_dtype)
         if i + stages < len(loads):
           plgpu.commit_smem()  # Every thread has read `slot` before TMA overwrites it.
           issue(i + stages)
@@ -175,23 +175,24 @@ class Epilogue:
 
   def own(self, acc_ref, tile, slices):
     """The own chunk's tile: the owner's sum of the peers' partials into the output, or (D = 1)
-    the tile itself, or (tma_add) its own partial TMA-added onto the peers' in the output."""
+    the tile itself, or (sum_in_output) its own partial TMA-added onto the peers' in the output."""
     k = self.k
     out = k.out.at[slices]
-    if k.d > 1 and not k.tma_add:
+    if k.d > 1 and not k.sum_in_output:
       self.owner_sum(acc_ref[...], tile, slices,
                      lambda i, sub: self.store_sub(i, sub, self.out_smem, out))
       return
-    if k.tma_add:  # The ring's last rounded add, by TMA: bf16(peers + bf16(own)).
+    if k.sum_in_output:  # The ring's last rounded add, by TMA: bf16(peers + bf16(own)).
       self.owner_wait(tile)
     acc = acc_ref[...].astype(k.out.dtype)
     self.store_tile([acc[k.epi_slices(mi, ni)] for mi, ni in k.epi_tiles], self.out_smem,
-                    out, add=k.tma_add and k.hooks.reduce)
+                    out, add=k.sum_in_output and k.hooks.reduce)
 
   def remote(self, acc_ref, step, tile, offset, slices):
     """A peer's tile (the peer at `offset`): staged locally for comm CTAs or the owner to move
-    on, or pushed into the owner's receive slot (its output with tma_add); announced now where
-    its step signals eagerly (or, pairs, beside the own chunk), else at the next epilogue."""
+    on, or pushed into the owner's receive slot (its output with sum_in_output); announced now
+    where its step signals eagerly (or, pairs, beside the own chunk), else at the next
+    epilogue."""
     k, d = self.k, self.k.d
     acc = acc_ref[...].astype(k.part_dtype)
     subs = [acc[k.epi_slices(mi, ni)] for mi, ni in k.epi_tiles]
@@ -202,11 +203,12 @@ class Epilogue:
       @pl.when(offset == o)
       def _():
         if not k.staging:
-          # Into the owner's output to add onto (tma_add), else its receive slot;
+          # Into the owner's output to add onto (sum_in_output), else its receive slot;
           # this rank's own buffer under the "comm" ablation.
-          whole, local = (k.out_all, k.out) if k.tma_add else (k.recv_gmem, k.recv_local)
+          whole, local = ((k.out_all, k.out) if k.sum_in_output
+                          else (k.recv_gmem, k.recv_local))
           dst = k.transport.peer(whole, k.rank, o) if k.hooks.comm else local
-          if not k.tma_add:
+          if not k.sum_in_output:
             dst = dst.at[schedule.recv_slot(o)]
           self.store_tile(subs, self.send_smem, dst.at[slices])
         def announce_now(o=o):

@@ -19,6 +19,7 @@ import numpy as np
 from pallas_rs import platform
 from pallas_rs.kernel import body as body_lib
 from pallas_rs.kernel import config as config_lib
+from pallas_rs.kernel import defaults
 from pallas_rs.kernel import rank as rank_lib
 from pallas_rs.kernel import schedule
 from pallas_rs.kernel import transport as transport_lib
@@ -45,7 +46,7 @@ def nvlink_unverified(config: Config, num_devices: int) -> str | None:
   between the split and the 256-column wgmma. So without the add NVLink runs what it has run:
   the N split with warpgroup tiles of at most 128 columns (with the add, both the M split's 128
   x 256 and 128 x 192 ran). Lift this once `run_multi_gpu.sh stall` has found the cause."""
-  if not config_lib.nvlink_has_run(config.tile_n, config.wg_dimension, config.tma_add,
+  if not config_lib.nvlink_has_run(config.tile_n, config.wg_dimension, config.sum_in_output,
                                     num_devices):
     return (f"warpgroup tiles of {config.tile_m} x {config.tile_n} side by side along "
             f"{config.wg_dimension.name} without the TMA add have not run over NVLink (the M "
@@ -77,7 +78,7 @@ def check_supported(*, m: int, k_shard: int, n: int, dtype, num_devices: int,
     raise ValueError(f"{m=} must be divisible by {num_devices=}")
   sms = gpu_num_sms()
   if config is None:
-    config = config_lib.default_config(m=m, n=n, k_shard=k_shard, num_devices=num_devices,
+    config = defaults.default_config(m=m, n=n, k_shard=k_shard, num_devices=num_devices,
                                        num_sms=sms or config_lib.DEFAULT_NUM_SMS)
   if sms is not None and config.num_sms > sms:
     # Every CTA must be resident: an owner's CTA waits on other ranks' CTAs, and a grid larger
@@ -224,7 +225,7 @@ def _build(transport, *, out_type, config: Config, num_devices: int, name: str,
   grid, grid_names = transport.grid(config.num_sms)
   body = functools.partial(body_lib.kernel_body, config=config, num_devices=num_devices,
                            transport=transport, skip=skip)
-  if num_devices == 1 or not _receives(config):
+  if not config.receive_slots(num_devices):
     body = functools.partial(_no_recv, body)  # (out, then the staging buffer if any)
   return plgpu.kernel(
       body,
@@ -244,21 +245,17 @@ def _no_recv(body, x, w, out, stage=None):
   body(x, w, out, None, stage)
 
 
-def _receives(config: Config) -> bool:
-  """Whether the kernel has receive slots: not where partials land in the output (tma_add) or
-  stay in the sources' staging until the owner loads them (comm_mode "owner")."""
-  return not config.tma_add and config.comm_mode != "owner"
-
-
 def _exchange_buffers(lead: tuple[int, ...], num_devices: int, chunk: int, n: int,
                       config: Config) -> tuple[jax.ShapeDtypeStruct, ...]:
-  """The receive slots [*lead, D - 1, chunk, n] and, with comm CTAs, the staging buffer of the
-  same shape, in the config's partial dtype: extra kernel outputs (uninitialised), because
-  peers can only address kernel arguments (docs/design.md section 7); none without receive
-  slots (`_receives`), staging only where remote tiles are staged (`Config.staged`)."""
-  buf = jax.ShapeDtypeStruct((*lead, num_devices - 1, chunk, n), jnp.dtype(config.partial_dtype))
-  recv = (buf,) if _receives(config) else ()
-  return (*recv, buf) if config.staged else recv
+  """The receive slots [*lead, slots, chunk, n] (`Config.receive_slots`, `recv_dtype`; none if
+  0) and the staging buffer [*lead, D - 1, chunk, n] where remote tiles are staged
+  (`Config.staged`, the partials' dtype): extra kernel outputs (uninitialised), because peers
+  can only address kernel arguments (docs/design.md section 7)."""
+  def buf(slots, dtype):
+    return jax.ShapeDtypeStruct((*lead, slots, chunk, n), jnp.dtype(dtype))
+  slots = config.receive_slots(num_devices)
+  recv = (buf(slots, config.recv_dtype),) if slots else ()
+  return (*recv, buf(num_devices - 1, config.partial_dtype)) if config.staged else recv
 
 
 def fused_matmul_reduce_scatter(x, w, *, axis_name, num_devices: int,

@@ -24,7 +24,7 @@ class Hooks:
   """The ablation hooks in one place: which stages run (all, except for timing; the output is
   then wrong). comm: peer tiles stay local (this rank's own receive slots, output or staging),
   no pushes, signals or waits; reduce: the owner's loads and adds of received partials (with
-  tma_add: its add; the own partial is stored); gemm: the mainloop (epilogues of tiles of
+  sum_in_output: its add; the own partial is stored); gemm: the mainloop (epilogues of tiles of
   zeros: the data movement alone); stage_wait: the comm CTAs' wait for a staged tile;
   recv_store: a pulling comm CTA's store of what it pulled; owner_wait: the owner's wait for
   its partials; owner_add: the owner's register reads and adds of the partials it loaded;
@@ -100,6 +100,11 @@ class Rank:
     return jnp.dtype(self.config.partial_dtype) if self.d > 1 else self.out.dtype
 
   @property
+  def recv_dtype(self):
+    """The receive slots' dtype (Config.recv_dtype)."""
+    return jnp.dtype(self.config.recv_dtype) if self.d > 1 else self.out.dtype
+
+  @property
   def where(self) -> schedule.SemLayout:
     """Where each semaphore of this kernel lives."""
     return schedule.SemLayout(self.d, self.tiles, self.num_comm, self.pull, self.owner_pull)
@@ -132,9 +137,14 @@ class Rank:
     return bool(self.num_comm) or self.owner_pull
 
   @property
-  def tma_add(self) -> bool:
-    """The peers' partials land in the owner's output, which TMA-adds its own onto them."""
-    return self.config.tma_add and self.d > 1
+  def sum_in_output(self) -> bool:
+    """The peers' bf16 partials land in the owner's output, which TMA-adds its own onto them."""
+    return self.config.sum_in_output and self.d > 1
+
+  @property
+  def sum_slot(self) -> bool:
+    """Pulling comm CTAs TMA-add the peers' partials in fp32 into receive slot 0, in ring order."""
+    return self.config.sum_slot and self.d > 1
 
   @property
   def ring(self) -> bool:
@@ -142,7 +152,9 @@ class Rank:
 
   @property
   def slot_order(self) -> tuple[int, ...]:
-    return schedule.ring_slots(self.d) if self.ring else tuple(range(self.d - 1))
+    """The receive slots the owner loads, in the order it adds them: NCCL's ring order (every
+    owner sum), or the one slot holding the peers' sum (sum_slot)."""
+    return (0,) if self.sum_slot else schedule.ring_slots(self.d)
 
   @property
   def first_eager(self) -> int:

@@ -1,7 +1,7 @@
 """Candidate kernel configs for the tuner (experiments/autotune.py), likeliest winners first.
 
 `candidate_configs` orders `search_space` (every valid config of a shape) for diversity around
-`config.default_config`;
+`defaults.default_config`;
 `comm_variants` are one config's ways of moving the partials (direct push, comm CTAs pulling
 or pushing); `tile_variants` its CTA tile shapes (small M: how many SMs one wave fills, and
 how many waves the transfer can overlap); `ag_tile_variants` the same for the backward's
@@ -16,6 +16,7 @@ import math
 from typing import Iterator
 
 from pallas_rs.kernel import config as config_lib
+from pallas_rs.kernel import defaults
 from pallas_rs.kernel import schedule
 
 Config = config_lib.Config
@@ -41,7 +42,7 @@ def candidate_configs(*, m: int, n: int, k_shard: int, num_devices: int,
   take the shape.
   """
   try:
-    default = config_lib.default_config(m=m, n=n, k_shard=k_shard,
+    default = defaults.default_config(m=m, n=n, k_shard=k_shard,
                                         num_devices=num_devices, num_sms=num_sms)
   except NotImplementedError:
     return []
@@ -123,9 +124,10 @@ def comm_variants(base: Config, *, m: int, n: int, k_shard: int, num_devices: in
   partials in COMM_VARIANTS (comm_ctas 0 is v1's direct push), fitted to SMEM; those the kernel
   cannot take for the shape left out; `pull=False` leaves out those that read peers (pulling
   comm CTAs and "owner": jax < 0.11.2).
-  `base` itself (the incumbent) comes first when the kernel takes it. At D > 2 the owner's TMA
-  add goes with the pulling ones in the ring's numerics (their adds in ring order: the same
-  bits, 2-10% faster in loopback) and cannot go without them (config.tma_add_runs)."""
+  `base` itself (the incumbent) comes first when the kernel takes it. At D > 2 the TMA add goes
+  with the pulling ones in every numerics mode (their adds in ring order: the same bits, 2-11%
+  faster in loopback where the owner's tail is the bottleneck) and cannot go without them
+  (config.tma_add_runs)."""
   def moved(mode, ctas):
     runs = config_lib.tma_add_runs(num_devices, base.owner_sum, ctas, mode)
     return dataclasses.replace(base, comm_mode=mode, comm_ctas=ctas,
@@ -219,7 +221,7 @@ def search_space(*, m: int, n: int, k_shard: int, num_devices: int,
   Comm CTAs push here; the pulling ones (faster per comm CTA, jax >= 0.11.2 on devices) are
   tried around a tuned config by comm_variants (autotune.py --candidates=comm)."""
   # Fixed per D by the error rule (default_numerics), not tuned.
-  partial_dtype, owner_sum = config_lib.NUMERICS_MODES[config_lib.default_numerics(num_devices)]
+  partial_dtype, owner_sum = config_lib.NUMERICS_MODES[defaults.default_numerics(num_devices)]
   tma_add = config_lib.tma_add_runs(num_devices, owner_sum)  # As default_config.
   for (tile_m, tile_n, wg), steps, recv_stages, minor, width, eager, comm, out_slots in (
       itertools.product(_SEARCH_TILES, (2, 3, 4, 5), (1, 2, 4),
