@@ -387,7 +387,7 @@ def multi_gpu_candidates(*, m: int, n: int, k_shard: int, d: int) -> list:
     # The challengers with the owner's TMA add where it runs (config.tma_add_runs: the same
     # bits, measured cheaper), the incumbent as it is.
     tma_add = True if config_lib.tma_add_runs(d, base.owner_sum, base.comm_ctas,
-                                              base.comm_mode) else None
+                                              base.comm_mode, base.partial_dtype) else None
     cfgs = candidates.tile_variants(base, m=m, n=n, k_shard=k_shard, num_devices=d,
                                     tma_add=tma_add)
   elif FLAGS.candidates == "owner":

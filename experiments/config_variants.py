@@ -29,7 +29,7 @@ def variant_config(base, name: str):
   slots), tMxN (warpgroup tile M x N: tile_m, tile_n), wm / wn (the two warpgroup tiles side by
   side along M / N: config.wg_dimension), sK (K pipeline steps), rK (K receive prefetch stages
   of the owner's sum: recv_stages), eK (epilogue sub-tiles K columns wide), tadd (the owner's
-  sum by TMA add: tma_add; D = 2 in the ring's numerics, D > 2 with pN in every numerics),
+  sum by TMA add: tma_add; D = 2 in the ring's numerics, D > 2 with pN, ring or fp32 partials),
   noadd (tma_add off), il / st (the
   remote steps interleaved tile by tile / one after the other: interleave_steps), f32 / bf16
   (partial dtype), ring (numerics mode "unfused_order"); then fitted to SMEM at D = 2

@@ -274,37 +274,35 @@ def test_ring_chain_of_comm_ctas_changes_no_bit(d, m, ctas):
   _same_bits([direct, slots, added], d, m, n, k_shard, seed=15000 + 10 * d)
 
 
-@pytest.mark.parametrize("numerics", list(config_lib.NUMERICS_MODES))
+@pytest.mark.parametrize("numerics", ["unfused_order", "fp32_partials"])
 def test_ring_chain_back_to_back_calls(numerics):
   fns = {}
   for d, m, ctas in ((4, 1024, 2), (8, 1024, 2)):
     base = config_lib.fit_smem(config_lib.with_numerics(config_lib.Config(
         comm_ctas=ctas, comm_mode="pull"), numerics, d), d)
     fns[d] = [jax.jit(functools.partial(fused.loopback_matmul_reduce_scatter, config=cfg))
-              for cfg in (base, config_lib.fit_smem(dataclasses.replace(base, tma_add=True), d))]
+              for cfg in (base, dataclasses.replace(base, tma_add=True))]
   for call in range(60):
     d, m = (8, 1024) if call % 2 else (4, 1024)
     xs, ws = testing.stacked_inputs(16000 + call, d, m, 512, 768)
     helpers.assert_same_bits(*(f(xs, ws) for f in fns[d]), call)
 
 
-# tma_add with the fp32 owner sum at D > 2 (Config.sum_slot, docs/design.md section 3.5):
-# pulling comm CTAs store the first partial into the fp32 receive slot 0 and TMA-add the others
-# onto it in ring order (bf16 partials widened to fp32 first); the owner loads that one sum and
-# adds its own accumulator last, as the owner's epilogue adds the D - 1 slots in ring order.
-# Every bit the same, subnormal partials included (a TMA add that flushed them, or a register
-# add that did, would differ there).
-@pytest.mark.parametrize("numerics", ["fp32_partials", "bf16_partials"])
+# tma_add with fp32 partials at D > 2 (Config.sum_slot, docs/design.md section 3.5): pulling
+# comm CTAs store the first fp32 partial into receive slot 0 and TMA-add the others onto it in
+# ring order; the owner loads that one sum and adds its own accumulator last, as the owner's
+# epilogue adds the D - 1 slots in ring order. Every bit the same, subnormal partials included
+# (a TMA add that flushed them, or a register add that did, would differ there).
 @pytest.mark.parametrize("d,m,ctas", [(3, 768, 2), (4, 1024, 2), (4, 512, 4), (8, 1024, 2)])
-def test_sum_slot_of_comm_ctas_changes_no_bit(d, m, ctas, numerics):
+def test_fp32_sum_slot_of_comm_ctas_changes_no_bit(d, m, ctas):
   n, k_shard = 1024, 512
   direct = config_lib.fit_smem(config_lib.with_numerics(dataclasses.replace(
       defaults.default_config(m=m, n=n, k_shard=k_shard, num_devices=d), tma_add=False),
-      numerics, d), d)
+      "fp32_partials", d), d)
   slots = config_lib.fit_smem(dataclasses.replace(direct, comm_ctas=ctas, comm_mode="pull"), d)
-  added = config_lib.fit_smem(dataclasses.replace(slots, tma_add=True), d)
+  added = dataclasses.replace(slots, tma_add=True)
   assert added.sum_slot and not slots.tma_add
-  _same_bits([direct, slots, added], d, m, n, k_shard, seed=19000 + 10 * d + len(numerics))
+  _same_bits([direct, slots, added], d, m, n, k_shard, seed=19000 + 10 * d)
   fns = [jax.jit(functools.partial(fused.loopback_matmul_reduce_scatter, config=c))
          for c in (direct, added)]
   xs, ws = testing.stacked_inputs(19500 + d, d, m, k_shard, n)
@@ -336,8 +334,9 @@ def test_tma_add_of_f32_is_the_fp32_add():
   f = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(shape, jnp.float32),
                    compiler_params=fused._compiler_params())
   rng = np.random.default_rng(0)
-  a = (rng.standard_normal(shape) * np.exp2(rng.integers(-149, 128, shape))).astype(np.float32)
-  b = (rng.standard_normal(shape) * np.exp2(rng.integers(-149, 128, shape))).astype(np.float32)
+  with np.errstate(over="ignore"):  # (some overflow to infinities, on purpose)
+    a, b = ((rng.standard_normal(shape) * np.exp2(rng.integers(-149, 128, shape)))
+            .astype(np.float32) for _ in range(2))
   b[::4] = -a[::4] * np.float32(1 + 2.0**-23)  # cancellations
   b[1::4] = (a[1::4] * 2.0**-24).astype(np.float32)  # ties and sticky bits
   a[2::8], b[2::8] = 2.0**-140, 2.0**-141  # subnormal + subnormal

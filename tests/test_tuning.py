@@ -596,12 +596,14 @@ def test_comm_variants_keep_the_tiles_and_vary_only_the_comm_path():
     got = candidates.comm_variants(incumbent, m=8192, n=8192, k_shard=2048, num_devices=4)
     assert len(got) == 7 and all(
         c.tma_add == (c.comm_mode == "pull" and c.comm_ctas > 0) for c in got), got
-  # With the fp32 owner sum the same (the sum slot).
-  for mode in ("fp32_partials", "bf16_partials"):
-    got = candidates.comm_variants(config_lib.with_numerics(base, mode, 4), m=8192, n=8192,
-                                   k_shard=2048, num_devices=4)
-    assert got and all(c.sum_slot == (c.comm_mode == "pull" and c.comm_ctas > 0) for c in got)
-    assert any(c.sum_slot for c in got)
+  # With fp32 partials the same (the sum slot), with bf16 partials and the fp32 sum nowhere.
+  f32 = config_lib.with_numerics(base, "fp32_partials", 4)
+  got = candidates.comm_variants(f32, m=8192, n=8192, k_shard=2048, num_devices=4)
+  assert got and all(c.sum_slot == (c.comm_mode == "pull" and c.comm_ctas > 0) for c in got)
+  assert any(c.sum_slot for c in got)
+  bf16 = config_lib.with_numerics(base, "bf16_partials", 4)
+  assert not any(c.tma_add for c in candidates.comm_variants(
+      bf16, m=8192, n=8192, k_shard=2048, num_devices=4))
 
 
 def test_owner_variants_switch_the_tma_add_where_it_can_run():

@@ -50,9 +50,9 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
   """One rank's program: comm CTAs (comm.py) and compute CTAs (`_compute_program`).
 
   Per rank (transport.bind selects it): x [m, k_shard], w [k_shard, n], out [m // D, n],
-  recv [D - 1, m // D, n] (this rank's receive slots, partial_dtype; [1, m // D, n] float32
-  with sum_slot; None when D == 1, with sum_in_output, where the peers' partials land in out,
-  or with comm_mode "owner"), stage
+  recv [D - 1, m // D, n] (this rank's receive slots, partial_dtype; [1, m // D, n] with
+  sum_slot; None when D == 1, with sum_in_output, where the peers' partials land in out, or
+  with comm_mode "owner"), stage
   [D - 1, m // D, n] (partial_dtype; with comm CTAs or "owner": this rank's peer tiles, waiting
   to be moved). `skip` leaves stages out, for timing only (rank.Hooks says which).
   """
@@ -126,8 +126,8 @@ def _allocations(k: Rank) -> dict:
   )
   part_transforms = _swizzled(c.epi_tile_n, part_dtype)
   if d > 1 and not k.sum_in_output:
-    scoped["part_smem"] = plgpu.SMEM((_NUM_COMPUTE_WGS, c.recv_stages, *epi), k.recv_dtype,
-                                     transforms=_swizzled(c.epi_tile_n, k.recv_dtype))
+    scoped["part_smem"] = plgpu.SMEM((_NUM_COMPUTE_WGS, c.recv_stages, *epi), part_dtype,
+                                     transforms=part_transforms)
     scoped["part_barrier"] = plgpu.Barrier(num_barriers=_NUM_COMPUTE_WGS * c.recv_stages)
   if d > 1 and part_dtype != out_dtype:
     scoped["send_smem"] = plgpu.SMEM((_NUM_COMPUTE_WGS, c.num_out_slots, *epi), part_dtype,

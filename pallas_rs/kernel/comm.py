@@ -18,7 +18,6 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from jax import lax
 import jax.numpy as jnp
 
-from pallas_rs.kernel import config as config_lib
 from pallas_rs.kernel import schedule
 from pallas_rs.kernel.rank import Rank
 
@@ -125,21 +124,6 @@ def push_program(k: Rank, comm_index):
           _announce_rest(k, num_tiles, emit)
 
 
-def _widened_store(src, fbuf, dst, reduction):
-  """src [rows, tile_n] (SMEM, bf16) widened to fp32 and TMA-stored (or added) onto dst, one
-  sub-block of fbuf [sets, sub, tile_n] (fp32 SMEM) at a time: the fp32 sum slot's adds
-  (Config.comm_upcast), the partial's own bf16 value exactly, as the owner's registers widen
-  it. The last fbuf sub-blocks' stores may be in flight on return; src has been read."""
-  sets, sub = fbuf.shape[0], fbuf.shape[1]
-  for i in range(src.shape[0] // sub):
-    # Buffer i % sets last held sub-block i - sets (this block's or the previous one's).
-    plgpu.wait_smem_to_gmem(sets - 1, wait_read_only=True)
-    fbuf[i % sets] = src.at[pl.ds(i * sub, sub)][...].astype(jnp.float32)
-    plgpu.commit_smem()  # (also: every thread has read src before a TMA load refills it)
-    plgpu.copy_smem_to_gmem(fbuf.at[i % sets], dst.at[pl.ds(i * sub, sub)],
-                            reduction_op=reduction)
-
-
 def pull_program(k: Rank, comm_index):
   """Comm CTA `comm_index` of `num_comm` for this rank as owner (kernel v3 pull, docs/design.md
   section 3.2): for each remote step s in order (the peer at offset s + 1 computes this rank's
@@ -147,9 +131,8 @@ def pull_program(k: Rank, comm_index):
   +num_comm, ... over NVLink and TMA-stores them into the local receive slot of that peer,
   `prefetch` blocks of loads in flight per warpgroup; with tma_add, stores step 0's and TMA-adds
   every later step's onto it instead, in ring order (section 3.5): into the output (bf16: the
-  unfused path's adds, the owner's epilogue only adds its own partial) or in fp32 into receive
-  slot 0 (the owner loads one partial instead of D - 1; bf16 partials widened on the way,
-  `_widened_store`). Announces landed
+  unfused path's adds, the owner's epilogue only adds its own partial) or, fp32 partials, into
+  receive slot 0 (the owner loads one partial instead of D - 1). Announces landed
   tiles to the own compute CTAs in batches (as push does); then tells every peer it is done
   reading the peer's staging buffer, and comm CTA 0 waits until every peer is done with
   this rank's. No remote store is ever issued here, so no load queues behind one (the
@@ -160,17 +143,13 @@ def pull_program(k: Rank, comm_index):
   blocks = config.tile_m // rows
   sets = config.comm_buffer_sets
   prefetch, reuse_wait = schedule.comm_prefetch(sets)
-  upcast = config.comm_upcast and k.d > 1
   comm_scoped = dict(
       buf=plgpu.SMEM((_NUM_COMPUTE_WGS, sets, rows, tile_n), k.part_dtype),
       barrier=plgpu.Barrier(num_barriers=_NUM_COMPUTE_WGS * sets),
   )
-  if upcast:  # fp32 sub-blocks, the widened partials on their way to the sum slot
-    comm_scoped["fbuf"] = plgpu.SMEM(
-        (_NUM_COMPUTE_WGS, config_lib.UPCAST_SETS, config.comm_upcast_rows, tile_n), jnp.float32)
 
   @functools.partial(pl.run_scoped, collective_axes="wg", **comm_scoped)
-  def _scope(buf, barrier, fbuf=None):
+  def _scope(buf, barrier):
     wg_idx = lax.axis_index("wg")
 
     @pl.when(wg_idx < _NUM_COMPUTE_WGS)
@@ -209,9 +188,7 @@ def pull_program(k: Rank, comm_index):
         def move(j, carry, dst=dst, load=load, emit=emit, reduction=reduction):
           b = lax.rem(j, sets)
           plgpu.barrier_wait(barrier.at[wg_idx * sets + b])
-          if upcast and k.hooks.recv_store:
-            _widened_store(buf.at[wg_idx, b], fbuf.at[wg_idx], dst.at[block(j)], reduction)
-          elif k.hooks.recv_store:
+          if k.hooks.recv_store:
             plgpu.copy_smem_to_gmem(buf.at[wg_idx, b], dst.at[block(j)],
                                     reduction_op=reduction)
           else:
@@ -220,10 +197,8 @@ def pull_program(k: Rank, comm_index):
           @pl.when(j + prefetch < count)
           def _():
             # Buffer (j + prefetch) % sets last held block j + prefetch - sets; the stores
-            # issued after it may still read SMEM, it may not (schedule.comm_prefetch; widened,
-            # no store reads it: the registers did, before the commit).
-            if not upcast:
-              plgpu.wait_smem_to_gmem(reuse_wait, wait_read_only=True)
+            # issued after it may still read SMEM, it may not (schedule.comm_prefetch).
+            plgpu.wait_smem_to_gmem(reuse_wait, wait_read_only=True)
             load(j + prefetch)
 
           _announce_landed(k, j, blocks, emit)

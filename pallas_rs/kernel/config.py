@@ -19,11 +19,6 @@ DEFAULT_NUM_SMS = 132
 PARTIAL_DTYPES = ("bfloat16", "float32")
 # Largest TMA copy of a comm CTA: 4 x 32 KB in flight reach one SM's pull rate (design 3.2).
 COMM_COPY_BYTES = 32 * 1024
-# A pulling comm CTA that widens bf16 partials for the fp32 sum slot (Config.comm_upcast) does
-# it through fp32 SMEM sub-blocks of at most this size, UPCAST_SETS of them per warpgroup: 16
-# registers a thread, and room beside three 32 KB loads in flight.
-UPCAST_COPY_BYTES = 8 * 1024
-UPCAST_SETS = 2
 # How the owner adds the D partials of its chunk (Config.owner_sum; docs/design.md section 5):
 # "fp32" (one rounding at the end) or "bf16_ring" (the unfused path's arithmetic and order).
 OWNER_SUMS = ("fp32", "bf16_ring")
@@ -92,9 +87,8 @@ class Config:
     tma_add: the peers' partials are summed by TMA reduce-adds as they land, the same bits
       (docs/design.md section 3.5; where: tma_add_runs): "bf16_ring" into the owner's output,
       onto which the owner TMA-adds its own (`sum_in_output`: no receive buffer, nothing
-      loaded); with the "fp32" owner sum by pulling comm CTAs at D > 2 into one fp32 receive
-      slot, which the owner loads once instead of D - 1 times (`sum_slot`; bf16 partials are
-      widened to fp32 by the comm CTA first, `comm_upcast`).
+      loaded); fp32 partials by pulling comm CTAs at D > 2 into one receive slot, which the
+      owner loads once instead of D - 1 times (`sum_slot`).
     interleave_steps: the remote steps walked tile by tile, step fastest (the own step still
       last; schedule.step_and_tile): a wave reads fewer columns of w where a step is one row.
   """
@@ -162,6 +156,10 @@ class Config:
     for flag in ("tma_add", "interleave_steps"):
       if not isinstance(getattr(self, flag), bool):
         raise ValueError(f"{flag}={getattr(self, flag)!r} must be a bool")
+    if self.tma_add and self.numerics == "bf16_partials":
+      raise ValueError(  # Widened by the comm CTAs it ran slower: git tag sum-slot-upcast-v1.
+          "tma_add does not add bf16 partials into an fp32 sum (numerics mode 'bf16_partials'); "
+          "'unfused_order' and 'fp32_partials' take it")
     object.__setattr__(self, "grid_minor_dim", MatmulDimension(self.grid_minor_dim))
     object.__setattr__(self, "wg_dimension", MatmulDimension(self.wg_dimension))
 
@@ -195,18 +193,8 @@ class Config:
 
   @property
   def sum_slot(self) -> bool:
-    """The peers' partials are TMA-added in fp32 into one receive slot (tma_add, "fp32")."""
+    """The peers' fp32 partials are TMA-added into one receive slot (tma_add, "fp32")."""
     return self.tma_add and self.owner_sum == "fp32"
-
-  @property
-  def comm_upcast(self) -> bool:
-    """The pulling comm CTAs widen bf16 partials to fp32 (registers) for the sum slot."""
-    return self.sum_slot and self.partial_dtype != "float32"
-
-  @property
-  def recv_dtype(self) -> str:
-    """The receive slots' dtype: the partials', or float32 for the sum slot."""
-    return "float32" if self.sum_slot else self.partial_dtype
 
   def receive_slots(self, num_devices: int) -> int:
     """Receive slots per rank: one per peer, one for the peers' sum (sum_slot), or none where
@@ -240,28 +228,14 @@ class Config:
     return rows
 
   @property
-  def comm_upcast_rows(self) -> int:
-    """Rows of one fp32 sub-block of a widening comm CTA (comm_upcast): UPCAST_COPY_BYTES."""
-    rows = self.comm_rows
-    while rows > 8 and rows * self.tile_n * 4 > UPCAST_COPY_BYTES:
-      rows //= 2
-    return rows
-
-  @property
   def _comm_copy_bytes(self) -> int:
     return self.comm_rows * self.tile_n * self.partial_itemsize
 
   @property
-  def _comm_upcast_bytes(self) -> int:
-    if not self.comm_upcast:
-      return 0
-    return 2 * UPCAST_SETS * self.comm_upcast_rows * self.tile_n * 4
-
-  @property
   def comm_buffer_sets(self) -> int:
     """SMEM buffers per comm warpgroup (one comm copy each): as many as fit, 1 to 4."""
-    copy, fixed = self._comm_copy_bytes, self._comm_upcast_bytes + SMEM_SLACK_BYTES
-    return next((s for s in (4, 3, 2) if 2 * s * copy + fixed <= SMEM_LIMIT_BYTES), 1)
+    copy = self._comm_copy_bytes
+    return next((s for s in (4, 3, 2) if 2 * s * copy + SMEM_SLACK_BYTES <= SMEM_LIMIT_BYTES), 1)
 
   def smem_bytes(self, num_devices: int, itemsize: int = 2) -> int:
     """Shared memory of a compute CTA, as allocated by kernel.py (plus a fixed slack)."""
@@ -272,15 +246,14 @@ class Config:
       if self.partial_itemsize != itemsize:  # Separate SMEM slots for the partials sent.
         total += 2 * self.num_out_slots * epi * self.partial_itemsize
       if not self.sum_in_output:  # The owner's receive prefetch stages.
-        total += 2 * self.recv_stages * epi * (4 if self.recv_dtype == "float32" else 2)
+        total += 2 * self.recv_stages * epi * self.partial_itemsize
     return total + SMEM_SLACK_BYTES
 
   def comm_smem_bytes(self) -> int:
     """Shared memory of a comm CTA (0 without comm CTAs)."""
     if not self.comm_ctas:
       return 0
-    return (2 * self.comm_buffer_sets * self._comm_copy_bytes + self._comm_upcast_bytes
-            + SMEM_SLACK_BYTES)
+    return 2 * self.comm_buffer_sets * self._comm_copy_bytes + SMEM_SLACK_BYTES
 
   def fits_smem(self, num_devices: int, limit: int = SMEM_LIMIT_BYTES) -> bool:
     comm = self.comm_smem_bytes() if num_devices > 1 else 0
@@ -292,7 +265,7 @@ class Config:
     (`loopback`: on the one-GPU transport, whose D ranks share the GPU's CTAs)."""
     chunk = m // num_devices
     if self.tma_add and num_devices > 1 and not tma_add_runs(
-        num_devices, self.owner_sum, self.comm_ctas, self.comm_mode):
+        num_devices, self.owner_sum, self.comm_ctas, self.comm_mode, self.partial_dtype):
       raise NotImplementedError(  # docs/design.md 3.5
           f"tma_add in numerics {self.numerics!r} at {num_devices=} runs "
           + ("at D = 2 or " if self.owner_sum == "bf16_ring" else "only ")
@@ -336,15 +309,16 @@ class Config:
 
 
 def tma_add_runs(num_devices: int, owner_sum: str, comm_ctas: int = 0,
-                 comm_mode: str = "push") -> bool:
+                 comm_mode: str = "push", partial_dtype: str = "bfloat16") -> bool:
   """Whether the TMA add (Config.tma_add) can run: in the ring's numerics at D = 2 (the default
   there: 2-5 us less alone at small M), and with pulling comm CTAs at D > 2, which add the
-  partials in ring order, bf16 into the output (2-10% faster in loopback) or, with the fp32
-  owner sum, in fp32 into one receive slot; the same bits (BUILD_NOTES 2026-12-01)."""
+  partials in ring order, bf16 into the output or fp32 partials into one receive slot
+  (2-11% faster in loopback where the owner's tail dominates); the same bits (BUILD_NOTES
+  2026-12-01)."""
   pulled = num_devices > 2 and comm_ctas > 0 and comm_mode == "pull"
   if owner_sum == "bf16_ring":
     return comm_mode != "owner" and (num_devices == 2 or pulled)
-  return pulled
+  return pulled and partial_dtype == "float32"
 
 
 def nvlink_has_run(tile_n: int, wg_dimension, tma_add: bool, num_devices: int) -> bool:
@@ -369,7 +343,8 @@ def with_numerics(cfg: Config, mode: str, num_devices: int) -> Config:
   if mode not in NUMERICS_MODES:
     raise ValueError(f"numerics mode {mode!r} must be one of {tuple(NUMERICS_MODES)}")
   partial_dtype, owner_sum = NUMERICS_MODES[mode]
-  tma_add = cfg.tma_add and tma_add_runs(num_devices, owner_sum, cfg.comm_ctas, cfg.comm_mode)
+  tma_add = cfg.tma_add and tma_add_runs(num_devices, owner_sum, cfg.comm_ctas, cfg.comm_mode,
+                                         partial_dtype)
   return fit_smem(dataclasses.replace(cfg, partial_dtype=partial_dtype, owner_sum=owner_sum,
                                       epi_tile_n=epi_tile_n_for(cfg.tile_n, partial_dtype),
                                       tma_add=tma_add), num_devices)

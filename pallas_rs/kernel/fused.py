@@ -247,15 +247,15 @@ def _no_recv(body, x, w, out, stage=None):
 
 def _exchange_buffers(lead: tuple[int, ...], num_devices: int, chunk: int, n: int,
                       config: Config) -> tuple[jax.ShapeDtypeStruct, ...]:
-  """The receive slots [*lead, slots, chunk, n] (`Config.receive_slots`, `recv_dtype`; none if
-  0) and the staging buffer [*lead, D - 1, chunk, n] where remote tiles are staged
-  (`Config.staged`, the partials' dtype): extra kernel outputs (uninitialised), because peers
-  can only address kernel arguments (docs/design.md section 7)."""
-  def buf(slots, dtype):
-    return jax.ShapeDtypeStruct((*lead, slots, chunk, n), jnp.dtype(dtype))
+  """The receive slots [*lead, slots, chunk, n] (`Config.receive_slots`; none if 0) and the
+  staging buffer [*lead, D - 1, chunk, n] where remote tiles are staged (`Config.staged`), in
+  the config's partial dtype: extra kernel outputs (uninitialised), because peers can only
+  address kernel arguments (docs/design.md section 7)."""
+  def buf(slots):
+    return jax.ShapeDtypeStruct((*lead, slots, chunk, n), jnp.dtype(config.partial_dtype))
   slots = config.receive_slots(num_devices)
-  recv = (buf(slots, config.recv_dtype),) if slots else ()
-  return (*recv, buf(num_devices - 1, config.partial_dtype)) if config.staged else recv
+  recv = (buf(slots),) if slots else ()
+  return (*recv, buf(num_devices - 1)) if config.staged else recv
 
 
 def fused_matmul_reduce_scatter(x, w, *, axis_name, num_devices: int,

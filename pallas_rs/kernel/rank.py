@@ -100,11 +100,6 @@ class Rank:
     return jnp.dtype(self.config.partial_dtype) if self.d > 1 else self.out.dtype
 
   @property
-  def recv_dtype(self):
-    """The receive slots' dtype (Config.recv_dtype)."""
-    return jnp.dtype(self.config.recv_dtype) if self.d > 1 else self.out.dtype
-
-  @property
   def where(self) -> schedule.SemLayout:
     """Where each semaphore of this kernel lives."""
     return schedule.SemLayout(self.d, self.tiles, self.num_comm, self.pull, self.owner_pull)
@@ -143,7 +138,7 @@ class Rank:
 
   @property
   def sum_slot(self) -> bool:
-    """Pulling comm CTAs TMA-add the peers' partials in fp32 into receive slot 0, in ring order."""
+    """Pulling comm CTAs TMA-add the peers' fp32 partials into receive slot 0, in ring order."""
     return self.config.sum_slot and self.d > 1
 
   @property

@@ -125,11 +125,11 @@ def comm_variants(base: Config, *, m: int, n: int, k_shard: int, num_devices: in
   cannot take for the shape left out; `pull=False` leaves out those that read peers (pulling
   comm CTAs and "owner": jax < 0.11.2).
   `base` itself (the incumbent) comes first when the kernel takes it. At D > 2 the TMA add goes
-  with the pulling ones in every numerics mode (their adds in ring order: the same bits, 2-11%
-  faster in loopback where the owner's tail is the bottleneck) and cannot go without them
-  (config.tma_add_runs)."""
+  with the pulling ones in the ring's numerics and with fp32 partials (their adds in ring
+  order: the same bits, 2-11% faster in loopback where the owner's tail is the bottleneck) and
+  cannot go without them (config.tma_add_runs)."""
   def moved(mode, ctas):
-    runs = config_lib.tma_add_runs(num_devices, base.owner_sum, ctas, mode)
+    runs = config_lib.tma_add_runs(num_devices, base.owner_sum, ctas, mode, base.partial_dtype)
     return dataclasses.replace(base, comm_mode=mode, comm_ctas=ctas,
                                tma_add=runs and (base.tma_add or num_devices > 2))
 
@@ -145,7 +145,7 @@ def owner_variants(base: Config, *, m: int, n: int, k_shard: int,
   where it runs (Config.tma_add, config.tma_add_runs: the same bits), fitted to SMEM; those the
   kernel cannot take for the shape left out."""
   other = [dataclasses.replace(base, tma_add=not base.tma_add)] if config_lib.tma_add_runs(
-      num_devices, base.owner_sum, base.comm_ctas, base.comm_mode) else []
+      num_devices, base.owner_sum, base.comm_ctas, base.comm_mode, base.partial_dtype) else []
   return _fitting([base, *other], m=m, n=n, k_shard=k_shard, num_devices=num_devices)
 
 
