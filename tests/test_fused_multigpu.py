@@ -121,3 +121,26 @@ def test_owner_pull_bit_identical_over_nvlink(d):
           mesh)(x, w), mesh)
       assert reference.max_rel_error(got.astype(np.float64), ref) <= 1.1 * (
           reference.max_rel_error(unfused.astype(np.float64), ref))
+
+
+@pytest.mark.parametrize("d", [d for d in _device_counts() if d > 2])
+@pytest.mark.parametrize("numerics", ["unfused_order", "fp32_partials"])
+def test_chained_adds_bit_identical_over_nvlink(d, numerics):
+  # D > 2 with 4 pulling comm CTAs whose TMA adds chain the peers' partials in ring order
+  # (docs/design.md section 3.5): into the output (the ring chain) or into one fp32 receive
+  # slot (the sum slot); the direct push's bits, 3 fresh inputs, then 20 back-to-back calls (an
+  # add before the previous step's landed would move bits). Needs four GPUs (nvidia-h200-x4).
+  m, n, k = 256 * d, 2048, 1024 * d
+  case = _case(d, m, n, k)
+  mesh = helpers.make_mesh(d, devices=helpers.hopper_devices())
+  base = config_lib.fit_smem(config_lib.with_numerics(config_lib.with_wg_along_n(
+      defaults.default_config(m=m, n=n, k_shard=k // d, num_devices=d)), numerics, d), d)
+  chained = dataclasses.replace(base, comm_ctas=4, comm_mode="pull", tma_add=True)
+  op = lambda cfg: helpers.shard_mapped(functools.partial(
+      pallas_rs.matmul_reduce_scatter, axis_name=helpers.AXIS, implementation="fused",
+      config=cfg), mesh)
+  for call in range(23):
+    inputs = testing.make_inputs(case, 21000 + call)
+    x, w = testing.put_operands(inputs, mesh, helpers.AXIS)
+    got = helpers.per_device_shards(op(chained)(x, w), mesh)
+    helpers.assert_same_bits(helpers.per_device_shards(op(base)(x, w), mesh), got, call)

@@ -312,6 +312,27 @@ def test_fp32_sum_slot_of_comm_ctas_changes_no_bit(d, m, ctas):
   helpers.assert_same_bits(want, got, "subnormal")
 
 
+# Inputs scaled down to where the partials and sums are fp32 subnormals, or round to bf16
+# zero: the rule still holds in every numerics mode (on the GPU both paths' conversion to
+# bf16 gives 0 for a subnormal; the fp32 sums keep what the bf16 partials lose).
+@pytest.mark.parametrize("d,m", [(2, 512), (4, 1024), (8, 1024)])
+def test_tiny_inputs_keep_the_rule(d, m):
+  n, k_shard = 1024, 512
+  xs, ws = testing.stacked_inputs(19500 + d, d, m, k_shard, n)
+  fns = {mode: jax.jit(functools.partial(
+      fused.loopback_matmul_reduce_scatter, config=config_lib.fit_smem(config_lib.with_numerics(
+          defaults.default_config(m=m, n=n, k_shard=k_shard, num_devices=d), mode, d), d)))
+      for mode in config_lib.NUMERICS_MODES}
+  for scale in (-60, -66, -68):
+    x, w = (xs * 2.0**scale).astype(xs.dtype), (ws * 2.0**scale).astype(ws.dtype)
+    ref = testing.stacked_reference(x, w)
+    assert 0 < np.abs(np.asarray(ref)).max() < 2.0**-126 * 2**10
+    e_unfused = reference.max_rel_error(_unfused_ring(x, w), ref)
+    for mode, f in fns.items():
+      e_fused = reference.max_rel_error(f(x, w), ref)
+      assert e_fused <= 1.1 * e_unfused, (scale, mode, e_fused, e_unfused)
+
+
 def test_tma_add_of_f32_is_the_fp32_add():
   """The primitive the sum slot rests on: a TMA reduce-add of f32 SMEM onto f32 GMEM gives
   fl32(a + b) bit for bit, subnormals, cancellations and infinities included (numpy's IEEE
