@@ -17,6 +17,7 @@
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh tiles    # M = 512/2048 (seed, proxy8): retune the CTA tile
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh owner    # D = 2, all 32 shapes: each entry with/without the TMA add
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh owner_pull  # the owner's epilogue pulls (comm_mode "owner") vs push / comm CTAs
+#   OUT=/tmp/mg bash experiments/run_multi_gpu.sh chains   # 4 GPUs: the ring chain / sum slot (D > 2) vs receive slots / direct push
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh alone    # one GPU is enough: one rank's program alone
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh stall    # each warpgroup split with/without the TMA add, hangs isolated
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh stall_which   # the split or the 256-column wgmma: which stalls
@@ -147,6 +148,17 @@ llama70b_o_proj_m512,llama70b_o_proj_m32768,mixtral8x22b_w2_m2048,llama70b_down_
       --configs=table,ow,p4 --ablations=fused,no_comm --iterations=50 --names=\
 llama70b_o_proj_m512,llama70b_down_proj_m512,llama70b_o_proj_m2048,llama70b_down_proj_m2048,\
 mixtral8x22b_w2_m2048,llama70b_o_proj_m8192,llama70b_o_proj_m8192_proxy8 2>&1 | quiet | tail -24 ;;
+  chains)
+    # D > 2 (four GPUs): pulling comm CTAs chaining the peers' partials by TMA add in ring order
+    # (docs/design.md section 3.5), never run over NVLink before: their bits against the direct
+    # push, then their time against the same comm CTAs with receive slots and the direct push,
+    # in the ring's numerics (ring, into the output) and with fp32 partials (f32, the sum slot).
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -m multigpu \
+      tests/test_fused_multigpu.py -k chained_adds 2>&1 | tail -4
+    timeout 360 python3 experiments/ablate.py --out="$out/ablate_chains.json" \
+      --configs=ring,p4_ring,p4_ring_tadd,f32,p4_f32,p4_f32_tadd --ablations=fused \
+      --iterations=30 --names=llama70b_o_proj_m2048,mixtral8x22b_w2_m2048,llama70b_o_proj_m8192 \
+      2>&1 | quiet | tail -24 ;;
   timeline)
     # Issue 19: where a small-M call's time goes (Mosaic GPU profiler traces under $out/traces).
     timeout 400 python3 experiments/timeline.py --configs=table --trace_dir="$out/traces" \
