@@ -7,7 +7,6 @@ rule is the seed's: max relative error vs a float64 reference <= 1.1x the unfuse
 import dataclasses
 import functools
 
-import jax
 import numpy as np
 import pytest
 
@@ -60,12 +59,30 @@ def test_back_to_back_calls_fresh_inputs():
     _check(_case(d, 1024, 1024, 2048), seed=1000 + i)
 
 
+def _same_bits_over_nvlink(d, m, n, k, base, other, seed, calls=23):
+  """`other` gives `base`'s bits over NVLink on `calls` fresh inputs (a race moves bits from
+  call to call), and the first 3 keep the error rule against the unfused path."""
+  case = _case(d, m, n, k)
+  mesh = helpers.make_mesh(d, devices=helpers.hopper_devices())
+  op = lambda impl, cfg=None: helpers.shard_mapped(functools.partial(
+      pallas_rs.matmul_reduce_scatter, axis_name=helpers.AXIS, implementation=impl,
+      config=cfg), mesh)
+  for call in range(calls):
+    inputs = testing.make_inputs(case, seed + call)
+    x, w = testing.put_operands(inputs, mesh, helpers.AXIS)
+    got = helpers.per_device_shards(op("fused", other)(x, w), mesh)
+    helpers.assert_same_bits(helpers.per_device_shards(op("fused", base)(x, w), mesh), got, call)
+    if call < 3:
+      ref = helpers.reference_output(inputs)
+      unfused = helpers.per_device_shards(op("xla")(x, w), mesh)
+      assert reference.max_rel_error(got.astype(np.float64), ref) <= 1.1 * (
+          reference.max_rel_error(unfused.astype(np.float64), ref))
+
+
 @pytest.mark.parametrize("m,n,k", [(512, 2048, 4096), (2048, 8192, 8192)])
 def test_tma_add_bit_identical_over_nvlink(m, n, k):
   # D = 2: the peer's partial lands in the owner's output over NVLink and the owner TMA-adds
   # its own onto it once it is announced: the owner's epilogue's bits ("unfused_order").
-  case = _case(2, m, n, k)
-  mesh = helpers.make_mesh(2, devices=helpers.hopper_devices())
   # The D = 2 default already adds by TMA: the reference is the same config without it, with
   # the warpgroups along N where the default splits them along M (NVLink refuses the M split
   # without the add: fused.nvlink_unverified; loopback finds the two splits bit-identical:
@@ -77,50 +94,19 @@ def test_tma_add_bit_identical_over_nvlink(m, n, k):
   added = config_lib.fit_smem(dataclasses.replace(default, tma_add=True), 2)
   assert not base.tma_add and added.tma_add
   assert (base.cta_tile_m, base.cta_tile_n) == (added.cta_tile_m, added.cta_tile_n)
-  op = lambda cfg: helpers.shard_mapped(functools.partial(
-      pallas_rs.matmul_reduce_scatter, axis_name=helpers.AXIS, implementation="fused",
-      config=cfg), mesh)
-  for call in range(3):
-    inputs = testing.make_inputs(case, 7000 + m + call)
-    x, w = testing.put_operands(inputs, mesh, helpers.AXIS)
-    want = helpers.per_device_shards(op(base)(x, w), mesh)
-    got = helpers.per_device_shards(op(added)(x, w), mesh)
-    helpers.assert_same_bits(want, got, call)
-    unfused = helpers.per_device_shards(helpers.shard_mapped(functools.partial(
-        pallas_rs.matmul_reduce_scatter, axis_name=helpers.AXIS, implementation="xla"),
-        mesh)(x, w), mesh)
-    ref = helpers.reference_output(inputs)
-    assert reference.max_rel_error(got.astype(np.float64), ref) <= 1.1 * (
-        reference.max_rel_error(unfused.astype(np.float64), ref))
+  _same_bits_over_nvlink(2, m, n, k, base, added, 7000 + m, calls=3)
 
 
 @pytest.mark.parametrize("d", _device_counts())
 def test_owner_pull_bit_identical_over_nvlink(d):
   # comm_mode "owner": the owner's epilogue TMA-loads each source's staged partial over NVLink
   # (no comm CTA, no receive slot): the direct push's bits (warpgroups along N, without the TMA
-  # add, which NVLink runs: fused.nvlink_unverified), 3 fresh inputs, then 20 back-to-back
-  # calls (a load before its flag, or an exit while a peer still reads, would move bits).
+  # add, which NVLink runs: fused.nvlink_unverified); a load before its flag, or an exit while
+  # a peer still reads, would move bits.
   m, n, k = 512 * d, 2048, 2048 * d
-  case = _case(d, m, n, k)
-  mesh = helpers.make_mesh(d, devices=helpers.hopper_devices())
   base = config_lib.fit_smem(config_lib.with_wg_along_n(dataclasses.replace(
       defaults.default_config(m=m, n=n, k_shard=k // d, num_devices=d), tma_add=False)), d)
-  owner = dataclasses.replace(base, comm_mode="owner")
-  op = lambda cfg: helpers.shard_mapped(functools.partial(
-      pallas_rs.matmul_reduce_scatter, axis_name=helpers.AXIS, implementation="fused",
-      config=cfg), mesh)
-  for call in range(23):
-    inputs = testing.make_inputs(case, 19000 + call)
-    x, w = testing.put_operands(inputs, mesh, helpers.AXIS)
-    got = helpers.per_device_shards(op(owner)(x, w), mesh)
-    helpers.assert_same_bits(helpers.per_device_shards(op(base)(x, w), mesh), got, call)
-    if call < 3:
-      ref = helpers.reference_output(inputs)
-      unfused = helpers.per_device_shards(helpers.shard_mapped(functools.partial(
-          pallas_rs.matmul_reduce_scatter, axis_name=helpers.AXIS, implementation="xla"),
-          mesh)(x, w), mesh)
-      assert reference.max_rel_error(got.astype(np.float64), ref) <= 1.1 * (
-          reference.max_rel_error(unfused.astype(np.float64), ref))
+  _same_bits_over_nvlink(d, m, n, k, base, dataclasses.replace(base, comm_mode="owner"), 19000)
 
 
 @pytest.mark.parametrize("d", [d for d in _device_counts() if d > 2])
@@ -128,19 +114,10 @@ def test_owner_pull_bit_identical_over_nvlink(d):
 def test_chained_adds_bit_identical_over_nvlink(d, numerics):
   # D > 2 with 4 pulling comm CTAs whose TMA adds chain the peers' partials in ring order
   # (docs/design.md section 3.5): into the output (the ring chain) or into one fp32 receive
-  # slot (the sum slot); the direct push's bits, 3 fresh inputs, then 20 back-to-back calls (an
-  # add before the previous step's landed would move bits). Needs four GPUs (nvidia-h200-x4).
+  # slot (the sum slot); the direct push's bits (an add before the previous step's landed would
+  # move them). Needs four GPUs (nvidia-h200-x4).
   m, n, k = 256 * d, 2048, 1024 * d
-  case = _case(d, m, n, k)
-  mesh = helpers.make_mesh(d, devices=helpers.hopper_devices())
   base = config_lib.fit_smem(config_lib.with_numerics(config_lib.with_wg_along_n(
       defaults.default_config(m=m, n=n, k_shard=k // d, num_devices=d)), numerics, d), d)
   chained = dataclasses.replace(base, comm_ctas=4, comm_mode="pull", tma_add=True)
-  op = lambda cfg: helpers.shard_mapped(functools.partial(
-      pallas_rs.matmul_reduce_scatter, axis_name=helpers.AXIS, implementation="fused",
-      config=cfg), mesh)
-  for call in range(23):
-    inputs = testing.make_inputs(case, 21000 + call)
-    x, w = testing.put_operands(inputs, mesh, helpers.AXIS)
-    got = helpers.per_device_shards(op(chained)(x, w), mesh)
-    helpers.assert_same_bits(helpers.per_device_shards(op(base)(x, w), mesh), got, call)
+  _same_bits_over_nvlink(d, m, n, k, base, chained, 21000)

@@ -33,7 +33,7 @@ Unfused path (`unfused_reduce_scatter`), what XLA + NCCL compute for
   after an fp32 reduce-scatter (no rounding of the partials, fp32 sum, one rounding): the GPU
   baseline run (experiments/numerics.py --what=baseline) tells which one XLA really runs.
 
-Fused path (`fused_owner_sum`), what body.py's `reduce_tile` computes on rank r, in one of
+Fused path (`fused_owner_sum`), what `epilogue.Epilogue.owner_sum` computes on rank r, in one of
 the numerics modes (`NUMERICS_MODES`, config.NUMERICS_MODES: name ->
 (Config.partial_dtype, Config.owner_sum)):
   owner_sum="fp32" ("fp32_partials", "bf16_partials"): the peers' partials in NCCL's ring order
@@ -251,8 +251,8 @@ def fused_owner_sum(partials, *, partial_dtype: str | None = None,
   to bf16 first when partial_dtype="bfloat16" (what the peer sends) or as is for "float32", then
   rank r's own fp32 partial P_r[chunk r] added last; rounds once.
   owner_sum="bf16_ring": the slots in schedule.ring_slots order, a bf16 add per peer after the
-  first, the own partial rounded to bf16 and added last (module doc), as kernel.py's
-  reduce_tile does it.
+  first, the own partial rounded to bf16 and added last (module doc), as the kernel's
+  `Epilogue.owner_sum` does it (or its comm CTAs' TMA adds: docs/design.md section 3.5).
   """
   partial_dtype, owner_sum = resolve_mode(mode, partial_dtype=partial_dtype,
                                           owner_sum=owner_sum)

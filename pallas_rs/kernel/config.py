@@ -238,7 +238,7 @@ class Config:
     return next((s for s in (4, 3, 2) if 2 * s * copy + SMEM_SLACK_BYTES <= SMEM_LIMIT_BYTES), 1)
 
   def smem_bytes(self, num_devices: int, itemsize: int = 2) -> int:
-    """Shared memory of a compute CTA, as allocated by kernel.py (plus a fixed slack)."""
+    """Shared memory of a compute CTA, as body._allocations allocates it (plus a fixed slack)."""
     pipeline = (self.cta_tile_m + self.cta_tile_n) * self.tile_k * self.max_concurrent_steps
     epi = self.epi_tile_m * self.epi_tile_n
     total = (pipeline + 2 * self.num_out_slots * epi) * itemsize
