@@ -914,10 +914,11 @@ def owner_sum(parts, r, d, cfg):  # parts [D, m, n] f32 -> chunk r
     for i in range(2, d + 1):
       run = rnd(run + rnd(blk((r + i) % d)))
     return run.astype(jnp.bfloat16)
-  acc = blk(r)
-  for j in range(d - 1):
-    p = blk((r - j - 1) % d)
-    acc = acc + (rnd(p) if cfg.partial_dtype == "bfloat16" else p)
+  part = lambda s: rnd(blk(s)) if cfg.partial_dtype == "bfloat16" else blk(s)
+  run = part((r + 1) % d)  # fp32: the same ring order, the own partial last, one rounding
+  for i in range(2, d):
+    run = run + part((r + i) % d)
+  acc = run + blk(r)
   return rnd(acc).astype(jnp.bfloat16)  # rnd: XLA may not elide the rounding (excess precision)
 
 def loopback(xs, ws, *, config=None, ablate=()):
