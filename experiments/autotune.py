@@ -377,17 +377,15 @@ def multi_gpu_candidates(*, m: int, n: int, k_shard: int, d: int) -> list:
   if FLAGS.candidates == "search":
     return candidates.candidate_configs(m=m, n=n, k_shard=k_shard, num_devices=d,
                                         max_configs=FLAGS.max_configs)
-  from pallas_rs.kernel import config as config_lib  # pylint: disable=g-import-not-at-top
   from pallas_rs.kernel import fused  # pylint: disable=g-import-not-at-top
   try:
     base = tuned_config(m=m, k_shard=k_shard, n=n, dtype="bfloat16", num_devices=d)
   except NotImplementedError:
     return []
   if FLAGS.candidates == "tiles":
-    # The challengers with the owner's TMA add where it runs (config.tma_add_runs: the same
-    # bits, measured cheaper), the incumbent as it is.
-    tma_add = True if config_lib.tma_add_runs(d, base.owner_sum, base.comm_ctas,
-                                              base.comm_mode, base.partial_dtype) else None
+    # The challengers with the owner's TMA add where it runs (Config.tma_add_can_run: the
+    # same bits, measured cheaper), the incumbent as it is.
+    tma_add = True if base.tma_add_can_run(d) else None
     cfgs = candidates.tile_variants(base, m=m, n=n, k_shard=k_shard, num_devices=d,
                                     tma_add=tma_add)
   elif FLAGS.candidates == "owner":

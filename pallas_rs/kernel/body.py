@@ -165,12 +165,7 @@ def _compute_program(k: Rank, scoped: dict, cta_index, num_compute):
             eval_pipeline(acc_ref)
           # The previous tile's stores had this tile's whole mainloop to land.
           plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-          if d > 1 and k.hooks.comm:
-            prev_step, prev_tile = k.walk(lin_idx - num_compute)
-            prev_offset = schedule.wg_offset(k.rank, prev_step, wg_idx, d, k.group)
-            @pl.when((local_step > 0) & epi.deferred(prev_step, prev_offset))
-            def _():
-              epi.announce(prev_offset, prev_tile)
+          epi.announce_deferred(lin_idx - num_compute, lambda: local_step > 0)
 
           is_own = offset == 0
           pl.when(is_own)(jax.named_scope("own_epilogue")(
@@ -199,12 +194,8 @@ def _compute_program(k: Rank, scoped: dict, cta_index, num_compute):
     count = _strided_loop(cta_index, num_compute, k.steps * k.tiles, tile_body)
     # Announce this CTA's last tile if it went to a peer with a deferred signal.
     plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-    if d > 1 and k.hooks.comm:
-      last_step, last_tile = k.walk(cta_index + (count - 1) * num_compute)
-      last_offset = schedule.wg_offset(k.rank, last_step, wg_idx, d, k.group)
-      @pl.when((wg_idx < _NUM_COMPUTE_WGS) & (count > 0) & epi.deferred(last_step, last_offset))
-      def _():
-        epi.announce(last_offset, last_tile)
+    epi.announce_deferred(cta_index + (count - 1) * num_compute,
+                          lambda: (wg_idx < _NUM_COMPUTE_WGS) & (count > 0))
 
     if k.owner_pull and k.hooks.comm:
       epi.exit_handshake(cta_index, num_compute)

@@ -196,6 +196,11 @@ class Config:
     """The peers' fp32 partials are TMA-added into one receive slot (tma_add, "fp32")."""
     return self.tma_add and self.owner_sum == "fp32"
 
+  def tma_add_can_run(self, num_devices: int) -> bool:
+    """tma_add_runs for this config's numerics and way of moving the partials."""
+    return tma_add_runs(num_devices, self.owner_sum, self.comm_ctas, self.comm_mode,
+                        self.partial_dtype)
+
   def receive_slots(self, num_devices: int) -> int:
     """Receive slots per rank: one per peer, one for the peers' sum (sum_slot), or none where
     the partials land in the output (sum_in_output) or wait in the sources' staging ("owner")."""
@@ -264,8 +269,7 @@ class Config:
     """Raises NotImplementedError if the kernel cannot take this (legal) problem with this config
     (`loopback`: on the one-GPU transport, whose D ranks share the GPU's CTAs)."""
     chunk = m // num_devices
-    if self.tma_add and num_devices > 1 and not tma_add_runs(
-        num_devices, self.owner_sum, self.comm_ctas, self.comm_mode, self.partial_dtype):
+    if self.tma_add and num_devices > 1 and not self.tma_add_can_run(num_devices):
       raise NotImplementedError(  # docs/design.md 3.5
           f"tma_add in numerics {self.numerics!r} at {num_devices=} runs "
           + ("at D = 2 or " if self.owner_sum == "bf16_ring" else "only ")
@@ -343,11 +347,10 @@ def with_numerics(cfg: Config, mode: str, num_devices: int) -> Config:
   if mode not in NUMERICS_MODES:
     raise ValueError(f"numerics mode {mode!r} must be one of {tuple(NUMERICS_MODES)}")
   partial_dtype, owner_sum = NUMERICS_MODES[mode]
-  tma_add = cfg.tma_add and tma_add_runs(num_devices, owner_sum, cfg.comm_ctas, cfg.comm_mode,
-                                         partial_dtype)
-  return fit_smem(dataclasses.replace(cfg, partial_dtype=partial_dtype, owner_sum=owner_sum,
-                                      epi_tile_n=epi_tile_n_for(cfg.tile_n, partial_dtype),
-                                      tma_add=tma_add), num_devices)
+  out = dataclasses.replace(cfg, partial_dtype=partial_dtype, owner_sum=owner_sum,
+                            epi_tile_n=epi_tile_n_for(cfg.tile_n, partial_dtype), tma_add=False)
+  return fit_smem(dataclasses.replace(
+      out, tma_add=cfg.tma_add and out.tma_add_can_run(num_devices)), num_devices)
 
 
 def with_wg_along_n(cfg: Config) -> Config:

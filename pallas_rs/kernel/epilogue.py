@@ -94,6 +94,19 @@ class Epilogue:
     lazy = (offset != 0) & (schedule.remote_step(offset, k.d) < k.first_eager)
     return lazy & (step != k.steps - 1) if k.pairs else lazy
 
+  def announce_deferred(self, lin_idx, when):
+    """Where when() holds, announces the tile at `lin_idx` of this rank's walk if it went to a
+    peer with a deferred signal (`deferred`): at the CTA's next epilogue or after its loop."""
+    k = self.k
+    if k.d == 1 or not k.hooks.comm:
+      return
+    step, tile = k.walk(lin_idx)
+    offset = schedule.wg_offset(k.rank, step, self.wg, k.d, k.group)
+
+    @pl.when(when() & self.deferred(step, offset))
+    def _():
+      self.announce(offset, tile)
+
   def owner_wait(self, tile):
     """Until the own tile `tile`'s D - 1 partials have landed (receive slots; sum_in_output: the
     output; "owner": the sources' staging)."""

@@ -10,8 +10,8 @@ of rank `r` holds the partial of source `(r - j - 1) % D`, and it is announced o
 semaphore `(t, wg)` once the store has landed. An owner's partials therefore arrive from sources
 `r + 1, r + 2, ..., r - 1` (slots D-2, ..., 0): NCCL's ring order (`ring_slots`), so that comm CTAs
 can add them as they come in the unfused path's order (Config.tma_add at D > 2). The own
-chunk's epilogue waits for `D - 1` signals on `(t, wg)`, then adds slots `0 .. D-2` in that
-order to its fp32 accumulator and rounds once. With `interleave` (Config.interleave_steps, the
+chunk's epilogue waits for `D - 1` signals on `(t, wg)`, then sums the slots in ring order and
+adds its own partial last (Config.owner_sum). With `interleave` (Config.interleave_steps, the
 default where a chunk is one row of CTA tiles) the remote steps are walked tile by tile
 instead, step fastest, and the own step still last (`step_and_tile`): same events, another
 order.
@@ -28,8 +28,8 @@ the flag is local and comm CTA `c` of the source takes the tiles `c, c + comm_ct
 remote step in order, copies each into the owner's receive slot and announces landed tiles in
 batches (`COMM_SIGNAL_LAG` tiles behind, `COMM_SIGNAL_BATCH` per signal) on the owner's counter
 `(slot, c)`. Pull: the flag goes to the owner, whose comm CTA `c` copies the tiles from the
-source's staging into its own slot (or, with `ring_chain`, stores the first into the output and
-TMA-adds the others onto it, in ring order) and announces them locally, in the same batches; a
+source's staging into its own slot (or, with `ring_chain`, stores the first into the output, or
+into slot 0 with fp32 partials, and TMA-adds the others onto it, in ring order) and announces them locally, in the same batches; a
 done handshake keeps every rank alive until its peers have finished reading its staging buffer.
 
 `SemLayout` names the semaphores; simulator.py runs the schedule as data and checks every

@@ -187,9 +187,10 @@ def simulate(*, num_ctas: int, num_devices: int, tiles_per_chunk: int,
   num_sms within the GPU). Returns the final semaphore values (the owners' `(rank, tile, wg)`
   and, with comm CTAs, the staged `("staged", rank, slot, tile, wg)`) and the event order.
   Raises RuntimeError on deadlock (no CTA can make progress), on a read of an unwritten slot
-  or on a push of a tile that was not staged; with `ring_chain` (pulling comm CTAs adding into
-  the output, Config.tma_add at D > 2), on a partial pulled before those before it in ring
-  order have landed (the adds would not be in the unfused path's order).
+  or on a push of a tile that was not staged; with `ring_chain` (pulling comm CTAs adding the
+  partials by TMA, Config.tma_add at D > 2: into the output, or the fp32 sum slot), on a
+  partial pulled before those before it in ring order have landed (the adds would not be in
+  ring order).
   """
   d = num_devices
   if comm_ctas and d > 1 and comm_ctas >= num_ctas:

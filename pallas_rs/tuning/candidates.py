@@ -129,13 +129,13 @@ def comm_variants(base: Config, *, m: int, n: int, k_shard: int, num_devices: in
   order: the same bits, 2-11% faster in loopback where the owner's tail is the bottleneck) and
   cannot go without them (config.tma_add_runs)."""
   def moved(mode, ctas):
-    runs = config_lib.tma_add_runs(num_devices, base.owner_sum, ctas, mode, base.partial_dtype)
-    return dataclasses.replace(base, comm_mode=mode, comm_ctas=ctas,
-                               tma_add=runs and (base.tma_add or num_devices > 2))
+    cfg = dataclasses.replace(base, comm_mode=mode, comm_ctas=ctas, tma_add=False)
+    return dataclasses.replace(cfg, tma_add=cfg.tma_add_can_run(num_devices) and (
+        base.tma_add or num_devices > 2))
 
-  return _fitting([moved(mode, ctas)
-                   for mode, ctas in ((base.comm_mode, base.comm_ctas), *COMM_VARIANTS)
-                   if pull or mode not in ("pull", "owner")],
+  configs = [moved(mode, ctas)
+             for mode, ctas in ((base.comm_mode, base.comm_ctas), *COMM_VARIANTS)]
+  return _fitting([c for c in configs if pull or not c.reads_peers],
                   m=m, n=n, k_shard=k_shard, num_devices=num_devices)
 
 
@@ -144,8 +144,8 @@ def owner_variants(base: Config, *, m: int, n: int, k_shard: int,
   """`base` (the incumbent) first, then `base` with the owner's sum by TMA add switched over
   where it runs (Config.tma_add, config.tma_add_runs: the same bits), fitted to SMEM; those the
   kernel cannot take for the shape left out."""
-  other = [dataclasses.replace(base, tma_add=not base.tma_add)] if config_lib.tma_add_runs(
-      num_devices, base.owner_sum, base.comm_ctas, base.comm_mode, base.partial_dtype) else []
+  other = ([dataclasses.replace(base, tma_add=not base.tma_add)]
+           if base.tma_add_can_run(num_devices) else [])
   return _fitting([base, *other], m=m, n=n, k_shard=k_shard, num_devices=num_devices)
 
 
