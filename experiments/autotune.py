@@ -66,7 +66,7 @@ flags.DEFINE_integer("num_devices", None, "multi_gpu: D (default: all visible "
 flags.DEFINE_integer("iterations", 30, "Timed iterations per function.")
 flags.DEFINE_integer("warmup", 2, "Untimed calls after compilation.")
 flags.DEFINE_integer("max_configs", 6, "Candidate configs per shape (<= 0: all).")
-flags.DEFINE_enum("candidates", "search", ["search", "comm", "tiles", "owner"],
+flags.DEFINE_enum("candidates", "search", ["search", "comm", "tiles", "owner", "order"],
                   "multi_gpu: 'search' = candidates.candidate_configs (default config and "
                   "one-field variants); 'comm' = the config the gate runs now for the shape "
                   "(table or default) with each way of moving the partials "
@@ -74,7 +74,8 @@ flags.DEFINE_enum("candidates", "search", ["search", "comm", "tiles", "owner"],
                   "'tiles' = that config with each CTA tile shape (candidates.tile_variants: "
                   "small M; at D = 2 the challengers with the owner's TMA add); 'owner' = "
                   "that config with and without the owner's TMA add "
-                  "(candidates.owner_variants: D = 2).")
+                  "(candidates.owner_variants: D = 2); 'order' = that config with each tile "
+                  "order (candidates.order_variants: large M).")
 flags.DEFINE_bool("loopback", True, "single_gpu: also time the loopback at the "
                   "case's D with the best 2 configs (informational entries).")
 flags.DEFINE_float("margin", 0.0, "Choose fused only if its median < (1 - "
@@ -390,6 +391,8 @@ def multi_gpu_candidates(*, m: int, n: int, k_shard: int, d: int) -> list:
                                     tma_add=tma_add)
   elif FLAGS.candidates == "owner":
     cfgs = candidates.owner_variants(base, m=m, n=n, k_shard=k_shard, num_devices=d)
+  elif FLAGS.candidates == "order":
+    cfgs = candidates.order_variants(base, m=m, n=n, k_shard=k_shard, num_devices=d)
   else:
     cfgs = candidates.comm_variants(base, m=m, n=n, k_shard=k_shard, num_devices=d,
                                     pull=fused.remote_tma_loads_supported())

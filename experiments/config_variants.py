@@ -32,7 +32,9 @@ def variant_config(base, name: str):
   sum by TMA add: tma_add; D = 2 in the ring's numerics, D > 2 with pN, ring or fp32 partials),
   noadd (tma_add off), il / st (the
   remote steps interleaved tile by tile / one after the other: interleave_steps), f32 / bf16
-  (partial dtype), ring (numerics mode "unfused_order"); then fitted to SMEM at D = 2
+  (partial dtype), ring (numerics mode "unfused_order"), gK (tile order: snake bands K tiles
+  wide, grid_tile_width), gm / gn (the bands' minor dimension M / N: grid_minor_dim); then
+  fitted to SMEM at D = 2
   (`config.fit_smem`). "table" is accepted as a no-op (the base is the table's config)."""
   from pallas_rs.kernel import config as config_lib  # pylint: disable=g-import-not-at-top
   cfg = base
@@ -59,6 +61,10 @@ def variant_config(base, name: str):
       cfg = dataclasses.replace(cfg, interleave_steps=token == "il")
     elif token in ("wm", "wn"):
       cfg = dataclasses.replace(cfg, wg_dimension=config_lib.MatmulDimension[token[1].upper()])
+    elif token in ("gm", "gn"):
+      cfg = dataclasses.replace(cfg, grid_minor_dim=config_lib.MatmulDimension[token[1].upper()])
+    elif token[0] == "g" and token[1:].isdigit():
+      cfg = dataclasses.replace(cfg, grid_tile_width=int(token[1:]))
     elif token[0] == "s" and token[1:].isdigit():
       cfg = dataclasses.replace(cfg, max_concurrent_steps=int(token[1:]))
     elif token[0] == "r" and token[1:].isdigit():

@@ -16,6 +16,7 @@
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh timeline # M = 512/2048: per-call phase timeline (profiler)
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh tiles    # M = 512/2048 (seed, proxy8): retune the CTA tile
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh owner    # D = 2, all 32 shapes: each entry with/without the TMA add
+#   OUT=/tmp/mg bash experiments/run_multi_gpu.sh order    # M = 8192/32768 (seed, proxy8): retune the tile order
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh owner_pull  # the owner's epilogue pulls (comm_mode "owner") vs push / comm CTAs
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh chains   # 4 GPUs: the ring chain / sum slot (D > 2) vs receive slots / direct push
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh alone    # one GPU is enough: one rank's program alone
@@ -117,6 +118,18 @@ llama70b_o_proj_m512,llama70b_o_proj_m32768,mixtral8x22b_w2_m2048,llama70b_down_
     timeout 220 python3 experiments/ablate.py --alone --num_devices=8 --names="$seed" \
       --iterations=50 --configs=table,t64x128_wn,t64x192_wm --ablations=no_comm,neither \
       --out="$out/ablate_alone_d8.json" 2>&1 | quiet | tail -50 ;;
+  order)
+    # Each M = 8192 / 32768 shape's incumbent config with every tile order of
+    # candidates.order_variants (row bands 8 high: 0-12% off the D = 2 table's GEMM core one
+    # rank alone at M = 32768, eleventh session), into a copy of the tuning table (2% margin).
+    cp pallas_rs/tuning/data/tuning_table.json "$out/tuning_table.json"
+    names=""
+    for p in llama70b_o_proj llama70b_down_proj mixtral8x22b_o_proj mixtral8x22b_w2; do
+      for m in 8192 32768; do names="$names${names:+,}${p}_m${m},${p}_m${m}_proxy8"; done
+    done
+    timeout 560 python3 experiments/autotune.py --mode=multi_gpu --candidates=order --tags= \
+      --names="$names" --iterations=20 --margin=0.02 --table="$out/tuning_table.json" \
+      --out="$out/autotune_order.json" 2>&1 | quiet | tail -24 ;;
   tiles)
     # Issue 19: each M = 512 / 2048 shape's incumbent config with every CTA tile shape of
     # candidates.tile_variants (the M split's 128 x 256 / 128 x 192 / 128 x 128 among them),

@@ -25,6 +25,7 @@ pytestmark = pytest.mark.gpu
 
 PAIRS = shapes.SEED_NK_PAIRS
 _WG_M = config_lib.MatmulDimension.M
+_WG_N = config_lib.MatmulDimension.N
 
 
 _loopback = jax.jit(fused.loopback_matmul_reduce_scatter)
@@ -256,6 +257,21 @@ def test_interleaved_steps_change_no_bit(d, m, comm):
   base = config_lib.fit_smem(base, d)
   _same_bits([dataclasses.replace(base, interleave_steps=flag) for flag in (False, True)],
              d, m, n, k_shard, seed=14000 + 10 * d)
+
+
+# The tile order within a step (grid_minor_dim / grid_tile_width; the default takes row bands 8
+# tiles high where they cut a wave's reads: defaults._tile_order) changes when a tile is
+# computed, not what it adds: every bit as with column bands, with partial bands (width 3), at
+# D = 2 and 4, with the direct push and with pulling comm CTAs.
+@pytest.mark.parametrize("d,m,comm", [(2, 2048, {}), (4, 4096, {}),
+                                      (4, 4096, dict(comm_ctas=2, comm_mode="pull"))])
+def test_tile_order_changes_no_bit(d, m, comm):
+  n, k_shard = 1536, 512
+  base = config_lib.fit_smem(dataclasses.replace(defaults.default_config(
+      m=m, n=n, k_shard=k_shard, num_devices=d), **comm), d)
+  orders = [(_WG_M, 8), (_WG_M, 3), (_WG_N, 1), (_WG_N, 4)]
+  _same_bits([dataclasses.replace(base, grid_minor_dim=minor, grid_tile_width=width)
+              for minor, width in orders], d, m, n, k_shard, seed=14500 + 10 * d)
 
 
 # tma_add at D > 2 (docs/design.md section 3.5): pulling comm CTAs store the first partial into

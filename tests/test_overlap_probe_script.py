@@ -38,6 +38,9 @@ def test_variant_names(overlap_probe):
   assert (t.tile_m, t.tile_n, t.comm_ctas, t.comm_mode) == (64, 128, 8, "pull")
   assert t.max_concurrent_steps <= 4 and t.fits_smem(2)
   assert overlap_probe.variant_config(base, "table") == base
+  g = overlap_probe.variant_config(base, "gm_g4")
+  assert (g.grid_minor_dim.name, g.grid_tile_width) == ("M", 4)
+  assert overlap_probe.variant_config(g, "gn").grid_minor_dim.name == "N"
   r = overlap_probe.variant_config(base, "r6_s2_e64")
   assert (r.recv_stages, r.max_concurrent_steps, r.epi_tile_n) == (6, 2, 64) and r.fits_smem(2)
   tadd = overlap_probe.variant_config(base, "tadd")

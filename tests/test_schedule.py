@@ -1,6 +1,9 @@
 """The communication schedule as data (schedule.py): the protocol the kernel runs, checked on CPU."""
 import collections
 
+import jax
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
 import pytest
 
 from pallas_rs.kernel import config as config_lib
@@ -143,6 +146,36 @@ def test_interleaved_walk_is_the_default_for_one_row_chunks():
     cfg = defaults.default_config(m=m, n=8192, k_shard=1024, num_devices=d)
     assert cfg.interleave_steps == want, (d, m, cfg)
     assert want == (m // d == cfg.cta_tile_m)
+
+
+@pytest.mark.parametrize("grid", [(8, 8), (5, 7), (64, 32), (3, 24), (1, 32)])
+@pytest.mark.parametrize("minor", [0, 1])
+@pytest.mark.parametrize("width", [1, 3, 8])
+def test_snake_tile_is_the_kernels_order(grid, minor, width):
+  lin = jnp.arange(grid[0] * grid[1], dtype=jnp.int32)
+  m_idx, n_idx = jax.vmap(lambda i: plgpu.planar_snake(i, grid, minor, width))(lin)
+  mine = [schedule.snake_tile(i, grid, minor, width) for i in range(grid[0] * grid[1])]
+  assert mine == list(zip(m_idx.tolist(), n_idx.tolist()))
+
+
+def test_wave_footprint():
+  # 132 tiles of 128 x 256 over a 64 x 32 grid: column bands cover 64 rows and 3 columns,
+  # row bands 8 high cover 8 rows and 17 columns.
+  assert schedule.wave_footprint((64, 32), 128, 256, 1, 1, 132) == 64 * 128 + 3 * 256
+  assert schedule.wave_footprint((64, 32), 128, 256, 0, 8, 132) == 8 * 128 + 17 * 256
+  assert schedule.wave_footprint((1, 4), 64, 256, 1, 1, 132) == 64 + 4 * 256  # < one wave
+
+
+def test_default_tile_order_follows_the_footprint():
+  # BUILD_NOTES 2026-12-01 eleventh session: row bands 4-11% faster one rank alone at D = 4,
+  # M = 32768; within 2% where the footprint model sees no difference.
+  want_rows = {(4, 32768): True, (2, 32768): True, (4, 8192): False, (8, 32768): False,
+               (8, 8192): False, (8, 512): False, (2, 2048): False}
+  for (d, m), rows in want_rows.items():
+    for n, k in ((8192, 28672), (6144, 6144)):
+      cfg = defaults.default_config(m=m, n=n, k_shard=k // d, num_devices=d)
+      order = (cfg.grid_minor_dim.name, cfg.grid_tile_width)
+      assert order == (("M", 8) if rows else ("N", 1)), (d, m, n, order)
 
 
 def test_stagger_order():

@@ -211,7 +211,9 @@ def test_candidates_vary_one_field_each_first():
     changed.append(diff[0])
   # The default's 128 x 256 tile stacks 64 x 256 warpgroup tiles along M: no other tile_m or
   # split of it is one field away in the search space, so the tile varies through tile_n.
-  assert changed == ["tile_n", "grid_minor_dim", "grid_tile_width", "max_concurrent_steps",
+  # The default walks row bands 8 tiles high here (defaults._tile_order); its width has two
+  # neighbours (4, then 1) before a pipeline depth comes.
+  assert changed == ["tile_n", "grid_minor_dim", "grid_tile_width", "grid_tile_width",
                      "max_concurrent_steps"]
   # Deterministic and uncapped is the whole (deduplicated) search space.
   assert candidates.candidate_configs(m=8192, n=N, k_shard=K_SHARD, num_devices=1,
@@ -633,6 +635,20 @@ def test_owner_variants_switch_the_tma_add_where_it_can_run():
                                   num_devices=2) == []
 
 
+def test_order_variants_keep_everything_but_the_tile_order():
+  base = dataclasses.replace(defaults.default_config(m=32768, n=8192, k_shard=1024,
+                                                       num_devices=2), comm_ctas=8,
+                             comm_mode="pull")
+  got = candidates.order_variants(base, m=32768, n=8192, k_shard=1024, num_devices=2)
+  assert got[0] == base and len(got) == len(set(got)) >= 4
+  orders = {(c.grid_minor_dim.name, c.grid_tile_width) for c in got}
+  assert orders == set(candidates.ORDER_VARIANTS)  # base's order is one of them
+  assert all(dataclasses.replace(c, grid_minor_dim=base.grid_minor_dim,
+                                 grid_tile_width=base.grid_tile_width) == base for c in got)
+  assert candidates.order_variants(base, m=32768, n=8192 + 128, k_shard=1024,
+                                   num_devices=2) == []
+
+
 def test_tile_variants_keep_the_comm_path_and_fill_the_sms():
   base = config_lib.with_numerics(
       dataclasses.replace(config_lib.Config(tile_m=128, tile_n=128), comm_ctas=2,
@@ -767,7 +783,7 @@ def test_autotune_times_a_pulling_entrys_fallback_beside_it(monkeypatch):
     entry = _entry(8192, d=2, k_shard=4096, cfg=pull)
     entry["fallback"] = {"config": tuning.config_to_json(push), "times_us": [11.0]}
     shape = dict(m=8192, n=N, k_shard=4096, d=2)
-    for step in ("owner", "tiles"):
+    for step in ("owner", "tiles", "order"):
       flags.FLAGS.candidates = step  # The script's flags leave with it (forget_scripts).
       with tuning.use_table(_table(entry)):
         got = autotune.multi_gpu_candidates(**shape)

@@ -140,6 +140,33 @@ def tile_grid(chunk: int, n: int, cta_m: int, cta_n: int, group: int = 1) -> tup
   return group * chunk // cta_m, n // cta_n
 
 
+def snake_tile(lin: int, grid: tuple[int, int], minor_dim: int, width: int) -> tuple[int, int]:
+  """(row block, column block) of tile `lin` of a `grid` in the kernel's order: Mosaic GPU's
+  `planar_snake` (bands `width` tiles wide along `minor_dim`, 0 = M, 1 = N, walked across the
+  other dimension, every other band reversed; the last band takes what is left), in Python."""
+  major_size, minor_size = grid[1 - minor_dim], grid[minor_dim]
+  band = lin // (width * major_size)
+  full = minor_size // width
+  if band < full:
+    rest, band_width = lin, width
+  else:
+    rest, band_width = lin - full * width * major_size, minor_size - full * width
+  minor = band * width + rest % band_width
+  major = rest // band_width % major_size
+  if band % 2:
+    major = major_size - 1 - major
+  return (minor, major) if minor_dim == 0 else (major, minor)
+
+
+def wave_footprint(grid: tuple[int, int], cta_m: int, cta_n: int, minor_dim: int, width: int,
+                   num_ctas: int) -> int:
+  """What the first wave of a step (its first `num_ctas` tiles) reads, per element of
+  k_shard: rows of x plus columns of w. The tile order that keeps it small keeps a wave's
+  operands in L2 (BUILD_NOTES 2026-12-01, eleventh session)."""
+  tiles = [snake_tile(i, grid, minor_dim, width) for i in range(min(num_ctas, grid[0] * grid[1]))]
+  return (len({m for m, _ in tiles}) * cta_m + len({n for _, n in tiles}) * cta_n)
+
+
 def total_tiles(chunk: int, n: int, cta_m: int, cta_n: int, num_devices: int,
                 group: int = 1) -> int:
   """Linear tiles of a rank's walk: num_steps x one step's tile_grid."""

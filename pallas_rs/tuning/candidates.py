@@ -4,7 +4,8 @@
 `defaults.default_config`;
 `comm_variants` are one config's ways of moving the partials (direct push, comm CTAs pulling
 or pushing); `tile_variants` its CTA tile shapes (small M: how many SMs one wave fills, and
-how many waves the transfer can overlap); `ag_tile_variants` the same for the backward's
+how many waves the transfer can overlap); `order_variants` its tile orders (large M: what a
+wave reads); `ag_tile_variants` the same for the backward's
 all-gather matmul (jax's kernel: `pallas_rs.kernel.ag_matmul`); `adapt_config` carries a
 config measured at one D to another (the loopback entries).
 """
@@ -188,6 +189,23 @@ def tile_variants(base: Config, *, m: int, n: int, k_shard: int, num_devices: in
       num_devices=num_devices)
 
 
+# Tile orders (grid_minor_dim, grid_tile_width) tried by order_variants: column bands one and
+# four tiles wide, row bands four and eight high. One rank alone on one H200 (BUILD_NOTES
+# 2026-12-01, eleventh session), M = 32768: row bands 8 high take 0-12% off the D = 2 table's
+# GEMM core (proxy8 Llama o_proj 882 -> 773 us) and 4-17% off column bands one wide at D = 4.
+ORDER_VARIANTS = (("N", 1), ("N", 4), ("M", 8), ("M", 4))
+
+
+def order_variants(base: Config, *, m: int, n: int, k_shard: int,
+                   num_devices: int) -> list[Config]:
+  """`base` (the incumbent: its tiles, comm path and numerics kept) first, then with each tile
+  order of ORDER_VARIANTS; those the kernel cannot take for the shape left out."""
+  return _fitting([base] + [
+      dataclasses.replace(base, grid_minor_dim=config_lib.MatmulDimension[minor],
+                          grid_tile_width=width)
+      for minor, width in ORDER_VARIANTS], m=m, n=n, k_shard=k_shard, num_devices=num_devices)
+
+
 def ag_tile_variants(m_shard: int, k: int, n: int) -> list:
   """jax's all-gather matmul configs for [m_shard, k] x [k, n] per device: its default
   (`ag_matmul.default_config`) first, then the default with each CTA tile of TILE_VARIANTS and
@@ -225,7 +243,7 @@ def search_space(*, m: int, n: int, k_shard: int, num_devices: int,
   tma_add = config_lib.tma_add_runs(num_devices, owner_sum)  # As default_config.
   for (tile_m, tile_n, wg), steps, recv_stages, minor, width, eager, comm, out_slots in (
       itertools.product(_SEARCH_TILES, (2, 3, 4, 5), (1, 2, 4),
-                        (_N, _M), (1, 4), (0, 1),
+                        (_N, _M), (1, 4, 8), (0, 1),
                         (0, 1, 2, 4, 8), (0, 8))):
     if num_devices == 1 and (recv_stages != 1 or eager or comm or out_slots):
       continue
