@@ -20,7 +20,6 @@ from pallas_rs.kernel import defaults
 from pallas_rs.kernel import fused
 from pallas_rs.tuning import gate
 from pallas_rs import platform
-from pallas_rs.bench import shapes
 from pallas_rs import tuning
 from pallas_rs.tuning import schema
 
