@@ -32,7 +32,7 @@ from absl import flags
 _PROJECTIONS = ("llama70b_o_proj", "llama70b_down_proj", "mixtral8x22b_o_proj",
                 "mixtral8x22b_w2")
 _PROJ = flags.DEFINE_list("projections", list(_PROJECTIONS), "Seed projections.")
-_MS = flags.DEFINE_list("ms", ["512", "2048"], "Global M of the seed shapes.")
+_MS = flags.DEFINE_list("ms", ["512", "2048"], "Global M (the seed's: 512, 2048, 8192, 32768).")
 _DS = flags.DEFINE_list("ds", ["2", "8"], "Devices D: the GEMM is M x K/D x N.")
 _OURS = flags.DEFINE_list("ours", ["table", "t128x128_s4", "t64x128_s4", "t128x64_s4",
                                    "t64x192_wm_s4", "t64x256_wm_s4", "t128x128_wm_s4"],
@@ -87,7 +87,7 @@ def main(argv):
   for proj in _PROJ.value:
     for m in (int(v) for v in _MS.value):
       for d in (int(v) for v in _DS.value):
-        case = shapes.by_name(f"{proj}_m{m}")
+        case = shapes.by_name(f"{proj}_m512")  # the projection's K and N; M is any --ms
         k_shard, n = case.k // d, case.n
         row = dict(name=f"{proj}_m{m}", d=d, m=m, k_shard=k_shard, n=n, times_us={},
                    configs={}, max_rel_error={})

@@ -72,15 +72,15 @@ _COLUMN_BANDS, _ROW_BANDS = (MatmulDimension.N, 1), (MatmulDimension.M, 8)
 
 
 def _tile_order(grid: tuple[int, int], cta_m: int, cta_n: int, num_sms: int):
-  """Row bands where they cut what a wave reads (schedule.wave_footprint) by a quarter or more,
-  else column bands. Measured one rank alone on one H200 (BUILD_NOTES 2026-12-01, eleventh
-  session): at D = 4, M = 32768 (a chunk of 64 rows of tiles, so a wave of column bands reads
-  all of the chunk's x) row bands are 4-11% faster on all four projections; at D = 4 and 8,
-  M = 8192 and D = 8, M = 32768, where the model sees no gain, the two orders cost within 2%
-  (column bands 0-1.7% ahead where the difference held across iterations)."""
+  """Row bands where a wave of them reads less (schedule.wave_footprint), else column bands.
+  Measured one rank alone on one H200 (BUILD_NOTES 2026-12-01, eleventh session): row bands
+  are 4-17% faster at D = 4, M = 32768 (chunks of 64 rows of 128 x 256 tiles) and, over whole
+  GEMMs of 48, 64 and 128 such rows, 0.6-6.4%, 1-8% and 4-12% faster; at 32 rows or fewer,
+  where the model sees no difference, the two orders cost within 2% (column bands 0-1.7%
+  ahead where the difference held across iterations)."""
   columns = schedule.wave_footprint(grid, cta_m, cta_n, *_COLUMN_BANDS, num_sms)
   rows = schedule.wave_footprint(grid, cta_m, cta_n, *_ROW_BANDS, num_sms)
-  return _ROW_BANDS if 4 * rows <= 3 * columns else _COLUMN_BANDS
+  return _ROW_BANDS if rows < columns else _COLUMN_BANDS
 
 
 def default_config(*, m: int, n: int, k_shard: int, num_devices: int,
