@@ -118,30 +118,22 @@ llama70b_o_proj_m512,llama70b_o_proj_m32768,mixtral8x22b_w2_m2048,llama70b_down_
     timeout 220 python3 experiments/ablate.py --alone --num_devices=8 --names="$seed" \
       --iterations=50 --configs=table,t64x128_wn,t64x192_wm --ablations=no_comm,neither \
       --out="$out/ablate_alone_d8.json" 2>&1 | quiet | tail -50 ;;
-  order)
-    # Each M = 8192 / 32768 shape's incumbent config with every tile order of
-    # candidates.order_variants (row bands 8 high: 0-12% off the D = 2 table's GEMM core one
-    # rank alone at M = 32768, eleventh session), into a copy of the tuning table (2% margin).
+  order|tiles)
+    # Each shape's incumbent config (table or default) against candidates.order_variants
+    # (order: every tile order at M = 8192 / 32768; row bands 8 high took 0-12% off the D = 2
+    # table's GEMM core one rank alone at M = 32768, eleventh session) or tile_variants
+    # (tiles, issue 19: every CTA tile shape at M = 512 / 2048, the M split's 128 x 256 /
+    # 128 x 192 / 128 x 128 among them), seed and proxy8, into a copy of the tuning table; a
+    # challenger needs a 2% win (--margin).
     cp pallas_rs/tuning/data/tuning_table.json "$out/tuning_table.json"
+    ms="512 2048"; [ "$1" = order ] && ms="8192 32768"
     names=""
     for p in llama70b_o_proj llama70b_down_proj mixtral8x22b_o_proj mixtral8x22b_w2; do
-      for m in 8192 32768; do names="$names${names:+,}${p}_m${m},${p}_m${m}_proxy8"; done
+      for m in $ms; do names="$names${names:+,}${p}_m${m},${p}_m${m}_proxy8"; done
     done
-    timeout 560 python3 experiments/autotune.py --mode=multi_gpu --candidates=order --tags= \
+    timeout 560 python3 experiments/autotune.py --mode=multi_gpu --candidates="$1" --tags= \
       --names="$names" --iterations=20 --margin=0.02 --table="$out/tuning_table.json" \
-      --out="$out/autotune_order.json" 2>&1 | quiet | tail -24 ;;
-  tiles)
-    # Issue 19: each M = 512 / 2048 shape's incumbent config with every CTA tile shape of
-    # candidates.tile_variants (the M split's 128 x 256 / 128 x 192 / 128 x 128 among them),
-    # into a copy of the tuning table; a challenger needs a 2% win (--margin).
-    cp pallas_rs/tuning/data/tuning_table.json "$out/tuning_table.json"
-    names=""
-    for p in llama70b_o_proj llama70b_down_proj mixtral8x22b_o_proj mixtral8x22b_w2; do
-      for m in 512 2048; do names="$names${names:+,}${p}_m${m},${p}_m${m}_proxy8"; done
-    done
-    timeout 560 python3 experiments/autotune.py --mode=multi_gpu --candidates=tiles --tags= \
-      --names="$names" --iterations=20 --margin=0.02 --table="$out/tuning_table.json" \
-      --out="$out/autotune_tiles.json" 2>&1 | quiet | tail -24 ;;
+      --out="$out/autotune_$1.json" 2>&1 | quiet | tail -24 ;;
   owner)
     # The owner's sum by TMA add (Config.tma_add, D = 2): each of the 32 D = 2 entries (seed and
     # proxy8) with it switched, into a copy of the tuning table; a challenger needs a 2% win.
