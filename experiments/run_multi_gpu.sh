@@ -124,16 +124,20 @@ llama70b_o_proj_m512,llama70b_o_proj_m32768,mixtral8x22b_w2_m2048,llama70b_down_
     # table's GEMM core one rank alone at M = 32768, eleventh session) or tile_variants
     # (tiles, issue 19: every CTA tile shape at M = 512 / 2048, the M split's 128 x 256 /
     # 128 x 192 / 128 x 128 among them), seed and proxy8, into a copy of the tuning table; a
-    # challenger needs a 2% win (--margin).
+    # challenger needs a 2% win (--margin); one autotune call per M (the larger first for
+    # order), each merging shape by shape into the table copy, so a cut call keeps what it
+    # measured and the other M still runs.
     cp pallas_rs/tuning/data/tuning_table.json "$out/tuning_table.json"
-    ms="512 2048"; [ "$1" = order ] && ms="8192 32768"
-    names=""
-    for p in llama70b_o_proj llama70b_down_proj mixtral8x22b_o_proj mixtral8x22b_w2; do
-      for m in $ms; do names="$names${names:+,}${p}_m${m},${p}_m${m}_proxy8"; done
-    done
-    timeout 560 python3 experiments/autotune.py --mode=multi_gpu --candidates="$1" --tags= \
-      --names="$names" --iterations=20 --margin=0.02 --table="$out/tuning_table.json" \
-      --out="$out/autotune_$1.json" 2>&1 | quiet | tail -24 ;;
+    ms="512 2048"; [ "$1" = order ] && ms="32768 8192"
+    for m in $ms; do
+      names=""
+      for p in llama70b_o_proj llama70b_down_proj mixtral8x22b_o_proj mixtral8x22b_w2; do
+        names="$names${names:+,}${p}_m${m},${p}_m${m}_proxy8"
+      done
+      timeout 275 python3 experiments/autotune.py --mode=multi_gpu --candidates="$1" --tags= \
+        --names="$names" --iterations=20 --margin=0.02 --table="$out/tuning_table.json" \
+        --out="$out/autotune_$1_m$m.json" 2>&1 | quiet | tail -14
+    done ;;
   owner)
     # The owner's sum by TMA add (Config.tma_add, D = 2): each of the 32 D = 2 entries (seed and
     # proxy8) with it switched, into a copy of the tuning table; a challenger needs a 2% win.
