@@ -124,8 +124,6 @@ def test_interleaved_pairs(d, ctas):
 
 @pytest.mark.parametrize("d,tiles", [(2, 5), (3, 4), (8, 32)])
 def test_interleaved_walk_order(d, tiles):
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   walk = [schedule.step_and_tile(i, tiles, d, True) for i in range(d * tiles)]
   assert sorted(walk) == [(s, t) for s in range(d) for t in range(tiles)]  # each tile once
   remote = (d - 1) * tiles
