@@ -136,7 +136,7 @@ def make_config(d: int, mode: str):
   p = problem(d)
   sms = fused.gpu_num_sms() or config_lib.DEFAULT_NUM_SMS
   base = defaults.default_config(m=p["m"], n=p["n"], k_shard=p["k_shard"], num_devices=d,
-                                   num_sms=sms)
+                                 num_sms=sms)
   cfg = config_lib.with_numerics(base, mode, d)
   if not cfg.tma_add:  # Where the mode drops the TMA add, the split NVLink runs without it.
     cfg = config_lib.fit_smem(config_lib.with_wg_along_n(cfg), d)

@@ -122,8 +122,8 @@ def default_config(*, m: int, n: int, k_shard: int, num_devices: int,
                epi_tile_n=epi_tile_n_for(tile_n, partial_dtype), wg_dimension=wg, num_sms=num_sms,
                partial_dtype=partial_dtype, owner_sum=owner_sum)
   cfg = _largest_steps(cfg, num_devices)
-  group = schedule.chunk_group(chunk, tile_m, wg == MatmulDimension.M, num_devices)
-  grid = schedule.tile_grid(chunk, n, cfg.cta_tile_m, cfg.cta_tile_n, group)
+  grid = schedule.tile_grid(chunk, n, cfg.cta_tile_m, cfg.cta_tile_n,
+                            cfg.chunk_group(m, num_devices))
   minor, width = _tile_order(grid, cfg.cta_tile_m, cfg.cta_tile_n, num_sms)
   cfg = dataclasses.replace(  # steps as measured
       cfg, tma_add=tma_add, grid_minor_dim=minor, grid_tile_width=width,

@@ -79,7 +79,7 @@ def check_supported(*, m: int, k_shard: int, n: int, dtype, num_devices: int,
   sms = gpu_num_sms()
   if config is None:
     config = defaults.default_config(m=m, n=n, k_shard=k_shard, num_devices=num_devices,
-                                       num_sms=sms or config_lib.DEFAULT_NUM_SMS)
+                                     num_sms=sms or config_lib.DEFAULT_NUM_SMS)
   if sms is not None and config.num_sms > sms:
     # Every CTA must be resident: an owner's CTA waits on other ranks' CTAs, and a grid larger
     # than the GPU could leave the CTAs that would signal it unscheduled (deadlock).

@@ -29,8 +29,9 @@ remote step in order, copies each into the owner's receive slot and announces la
 batches (`COMM_SIGNAL_LAG` tiles behind, `COMM_SIGNAL_BATCH` per signal) on the owner's counter
 `(slot, c)`. Pull: the flag goes to the owner, whose comm CTA `c` copies the tiles from the
 source's staging into its own slot (or, with `ring_chain`, stores the first into the output, or
-into slot 0 with fp32 partials, and TMA-adds the others onto it, in ring order) and announces them locally, in the same batches; a
-done handshake keeps every rank alive until its peers have finished reading its staging buffer.
+into slot 0 with fp32 partials, and TMA-adds the others onto it, in ring order) and announces
+them locally, in the same batches; a done handshake keeps every rank alive until its peers
+have finished reading its staging buffer.
 
 `SemLayout` names the semaphores; simulator.py runs the schedule as data and checks every
 variant.
@@ -164,7 +165,7 @@ def wave_footprint(grid: tuple[int, int], cta_m: int, cta_n: int, minor_dim: int
   k_shard: rows of x plus columns of w. The tile order that keeps it small keeps a wave's
   operands in L2 (BUILD_NOTES 2026-12-01, eleventh session)."""
   tiles = [snake_tile(i, grid, minor_dim, width) for i in range(min(num_ctas, grid[0] * grid[1]))]
-  return (len({m for m, _ in tiles}) * cta_m + len({n for _, n in tiles}) * cta_n)
+  return len({m for m, _ in tiles}) * cta_m + len({n for _, n in tiles}) * cta_n
 
 
 def total_tiles(chunk: int, n: int, cta_m: int, cta_n: int, num_devices: int,

@@ -44,7 +44,7 @@ def candidate_configs(*, m: int, n: int, k_shard: int, num_devices: int,
   """
   try:
     default = defaults.default_config(m=m, n=n, k_shard=k_shard,
-                                        num_devices=num_devices, num_sms=num_sms)
+                                      num_devices=num_devices, num_sms=num_sms)
   except NotImplementedError:
     return []
   space = list(search_space(m=m, n=n, k_shard=k_shard, num_devices=num_devices,
