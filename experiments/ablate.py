@@ -34,6 +34,7 @@ import sys
 import bench_env  # experiments/ is sys.path[0] when run as a script.
 from config_variants import tuned_config
 from config_variants import variant_config
+import flag_checks
 
 from absl import app
 from absl import flags
@@ -68,9 +69,17 @@ def require_gpu(jax) -> None:
     raise app.UsageError("ablate.py times the fused Mosaic GPU kernel: it needs a Hopper GPU")
 
 
+def check_flags() -> None:
+  """UsageError for a flag value that would fail later in the run (flag_checks)."""
+  flag_checks.shape_names("names", _NAMES.value)
+  flag_checks.variant_names("configs", _CONFIGS.value)
+  flag_checks.subset("ablations", _ABLATIONS.value, VARIANTS)
+
+
 def main(argv):
   del argv
   mode = bench_env.configure_environment("auto")
+  check_flags()
   import jax  # pylint: disable=g-import-not-at-top
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
@@ -80,9 +89,6 @@ def main(argv):
   from pallas_rs.bench import testing  # pylint: disable=g-import-not-at-top
   from pallas_rs.bench import timing  # pylint: disable=g-import-not-at-top
 
-  bad = set(_ABLATIONS.value) - set(VARIANTS)
-  if bad:
-    raise app.UsageError(f"--ablations: {sorted(bad)} not in {list(VARIANTS)}")
   require_gpu(jax)
   gpus = jax.devices()
   nvlink = len(gpus) >= 2 and not _ALONE.value

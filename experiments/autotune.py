@@ -52,6 +52,7 @@ for _path in (_REPO, _HERE):
 
 import bench_env  # pylint: disable=g-import-not-at-top,wrong-import-position
 from config_variants import tuned_config  # pylint: disable=g-import-not-at-top,wrong-import-position
+import flag_checks  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 AXIS = "tp"
 SMEM_ERROR = "exceeds available shared memory"
@@ -546,9 +547,17 @@ def dry_run(cases) -> None:
   print(f"{len(cases)} shapes, {total} timed functions (+ up to {loop} loopback)")
 
 
+def check_flags() -> None:
+  """UsageError for a flag value that would fail later in the run (flag_checks)."""
+  flag_checks.shape_names("names", FLAGS.names)
+  flag_checks.shape_tags("tags", FLAGS.tags)
+  select_cases()  # (refuses a selection with no shape)
+
+
 def main(argv: Sequence[str]) -> int:
   # multi_gpu: NCCL_NVLS_ENABLE defaults to 0, anything else is refused.
   bench_env.configure_environment(FLAGS.mode)
+  check_flags()
   cases = select_cases()
   if FLAGS.dry_run:
     dry_run(cases)

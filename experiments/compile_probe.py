@@ -30,6 +30,7 @@ import time
 import bench_env  # experiments/ is sys.path[0] when run as a script.
 from config_variants import tuned_config
 from config_variants import variant_config
+import flag_checks
 
 from absl import app
 from absl import flags
@@ -88,9 +89,16 @@ def probe(name: str, variant: str, d: int, lower_only: bool) -> dict:
   return row
 
 
+def check_flags() -> None:
+  """UsageError for a flag value that would fail later in the run (flag_checks)."""
+  flag_checks.shape_names("names", _NAMES.value)
+  flag_checks.variant_names("configs", _CONFIGS.value)
+
+
 def main(argv):
   del argv
   bench_env.configure_environment("smoke" if _LOWER_ONLY.value else "auto")
+  check_flags()
   import jax  # pylint: disable=g-import-not-at-top
   if not _LOWER_ONLY.value and jax.devices()[0].platform != "gpu":
     raise app.UsageError("compile_probe.py compiles for the GPU it runs on; on a CPU machine "

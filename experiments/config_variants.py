@@ -39,43 +39,68 @@ def variant_config(base, name: str):
   from pallas_rs.kernel import config as config_lib  # pylint: disable=g-import-not-at-top
   cfg = base
   for token in name.split("_"):
-    tile = re.fullmatch(r"t(\d+)x(\d+)", token)
-    if token in ("f32", "bf16"):
-      cfg = config_lib.with_partial_dtype(
-          cfg, "float32" if token == "f32" else "bfloat16", 2)
-    elif token == "ring":
-      cfg = config_lib.with_numerics(cfg, "unfused_order", 2)
-    elif tile:
-      tile_m, tile_n = int(tile[1]), int(tile[2])
-      cfg = dataclasses.replace(cfg, tile_m=tile_m, tile_n=tile_n,
-                                epi_tile_n=min(cfg.epi_tile_n, tile_n))
-    elif token in ("tadd", "noadd"):
-      cfg = dataclasses.replace(cfg, tma_add=token == "tadd")
-    elif token == "ow":
-      cfg = dataclasses.replace(cfg, comm_mode="owner", comm_ctas=0, tma_add=False)
-      try:  # Without the add NVLink runs the N split only (fused.nvlink_unverified).
-        cfg = config_lib.with_wg_along_n(cfg)
-      except NotImplementedError:
-        pass  # (the kernel's check then names why the variant cannot run)
-    elif token in ("il", "st"):
-      cfg = dataclasses.replace(cfg, interleave_steps=token == "il")
-    elif token in ("wm", "wn"):
-      cfg = dataclasses.replace(cfg, wg_dimension=config_lib.MatmulDimension[token[1].upper()])
-    elif token in ("gm", "gn"):
-      cfg = dataclasses.replace(cfg, grid_minor_dim=config_lib.MatmulDimension[token[1].upper()])
-    elif token[0] == "g" and token[1:].isdigit():
-      cfg = dataclasses.replace(cfg, grid_tile_width=int(token[1:]))
-    elif token[0] == "s" and token[1:].isdigit():
-      cfg = dataclasses.replace(cfg, max_concurrent_steps=int(token[1:]))
-    elif token[0] == "r" and token[1:].isdigit():
-      cfg = dataclasses.replace(cfg, recv_stages=int(token[1:]))
-    elif token[0] == "e" and token[1:].isdigit():
-      cfg = dataclasses.replace(cfg, epi_tile_n=int(token[1:]))
-    elif token[0] in "cpo" and token[1:].isdigit():
-      field = "out_slots" if token[0] == "o" else "comm_ctas"
-      cfg = dataclasses.replace(cfg, **{field: int(token[1:])})
-      if token[0] == "p":
-        cfg = dataclasses.replace(cfg, comm_mode="pull")
-    elif token not in ("v1", "table"):
-      raise ValueError(f"unknown variant token {token!r} in {name!r}")
+    apply, match = _parse(token, name)
+    cfg = apply(cfg, match, config_lib)
   return config_lib.fit_smem(cfg, 2)
+
+
+def check_name(name: str) -> None:
+  """ValueError if `name` has a token `variant_config` does not know (no config needed)."""
+  for token in name.split("_"):
+    _parse(token, name)
+
+
+def _parse(token: str, name: str):
+  for pattern, apply in _TOKENS:
+    match = re.fullmatch(pattern, token)
+    if match:
+      return apply, match
+  raise ValueError(f"unknown variant token {token!r} in {name!r}")
+
+
+def _tile(cfg, match, lib):
+  del lib
+  tile_m, tile_n = int(match[1]), int(match[2])
+  return dataclasses.replace(cfg, tile_m=tile_m, tile_n=tile_n,
+                             epi_tile_n=min(cfg.epi_tile_n, tile_n))
+
+
+def _owner(cfg, match, lib):
+  del match
+  cfg = dataclasses.replace(cfg, comm_mode="owner", comm_ctas=0, tma_add=False)
+  try:  # Without the add NVLink runs the N split only (fused.nvlink_unverified).
+    return lib.with_wg_along_n(cfg)
+  except NotImplementedError:
+    return cfg  # (the kernel's check then names why the variant cannot run)
+
+
+def _int_field(field: str, **more):
+  return lambda cfg, match, lib: dataclasses.replace(cfg, **{field: int(match[1])}, **more)
+
+
+def _dim_field(field: str):
+  return lambda cfg, match, lib: dataclasses.replace(
+      cfg, **{field: lib.MatmulDimension[match[1].upper()]})
+
+
+# (token pattern, what it does to a config), in variant_config's docstring order.
+_TOKENS = (
+    (r"v1|table", lambda cfg, match, lib: cfg),
+    (r"c(\d+)", _int_field("comm_ctas")),
+    (r"p(\d+)", _int_field("comm_ctas", comm_mode="pull")),
+    (r"ow", _owner),
+    (r"o(\d+)", _int_field("out_slots")),
+    (r"t(\d+)x(\d+)", _tile),
+    (r"w([mn])", _dim_field("wg_dimension")),
+    (r"s(\d+)", _int_field("max_concurrent_steps")),
+    (r"r(\d+)", _int_field("recv_stages")),
+    (r"e(\d+)", _int_field("epi_tile_n")),
+    (r"tadd|noadd", lambda cfg, match, lib: dataclasses.replace(cfg, tma_add=match[0] == "tadd")),
+    (r"il|st", lambda cfg, match, lib: dataclasses.replace(
+        cfg, interleave_steps=match[0] == "il")),
+    (r"f32|bf16", lambda cfg, match, lib: lib.with_partial_dtype(
+        cfg, "float32" if match[0] == "f32" else "bfloat16", 2)),
+    (r"ring", lambda cfg, match, lib: lib.with_numerics(cfg, "unfused_order", 2)),
+    (r"g(\d+)", _int_field("grid_tile_width")),
+    (r"g([mn])", _dim_field("grid_minor_dim")),
+)

@@ -25,6 +25,7 @@ import sys
 import bench_env  # experiments/ is sys.path[0] when run as a script.
 from config_variants import tuned_config
 from config_variants import variant_config
+import flag_checks
 
 from absl import app
 from absl import flags
@@ -67,9 +68,18 @@ def jax_matmul(hm, config):
   return lambda a, b: hm.matmul(a, b, config=config)
 
 
+def check_flags() -> None:
+  """UsageError for a flag value that would fail later in the run (flag_checks)."""
+  flag_checks.subset("projections", _PROJ.value, _PROJECTIONS)
+  flag_checks.positive_ints("ms", _MS.value)
+  flag_checks.positive_ints("ds", _DS.value)
+  flag_checks.variant_names("ours", _OURS.value)
+
+
 def main(argv):
   del argv
   bench_env.configure_environment("single_gpu")
+  check_flags()
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm  # pylint: disable=g-import-not-at-top

@@ -71,6 +71,7 @@ from bench_records import TIMERS
 from bench_records import validate_record
 from bench_records import validate_results
 from bench_records import WINDOWED_EINSUM_OPTION
+import flag_checks
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 # No jax (nor pallas_rs or harness, which import jax) at module level: XLA_FLAGS (smoke's
@@ -152,21 +153,26 @@ def settings_from_flags(timer: str):
       bus_bandwidth=FLAGS.bus_bandwidth or metrics.MEASURED_RS_BUS_BANDWIDTH)
 
 
+def check_flags() -> None:
+  """UsageError for a flag value that would fail later in the run (flag_checks)."""
+  from pallas_rs import api  # pylint: disable=g-import-not-at-top
+  flag_checks.shape_names("names", FLAGS.names)
+  flag_checks.shape_tags("tags", FLAGS.tags)
+  flag_checks.subset("implementations", FLAGS.implementations, api.IMPLEMENTATIONS)
+
+
 def main(argv: Sequence[str]) -> int:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   mode = configure_environment(FLAGS.mode)
+  check_flags()
   import jax  # pylint: disable=g-import-not-at-top
   import harness  # pylint: disable=g-import-not-at-top
-  from pallas_rs import api  # pylint: disable=g-import-not-at-top
   from pallas_rs.bench import timing  # pylint: disable=g-import-not-at-top
 
   implementations = FLAGS.implementations
   if implementations is None:
     implementations = ["xla"] if mode == "smoke" else ["fused"]
-  bad = [i for i in implementations if i not in api.IMPLEMENTATIONS]
-  if bad:
-    raise app.UsageError(f"--implementations: {bad} not in {api.IMPLEMENTATIONS}")
   if FLAGS.iterations < 1 or FLAGS.warmup < 0:
     raise app.UsageError(f"--iterations={FLAGS.iterations} must be >= 1 and "
                          f"--warmup={FLAGS.warmup} >= 0")

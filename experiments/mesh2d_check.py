@@ -38,6 +38,7 @@ if os.environ["NCCL_NVLS_ENABLE"] != "0":
   raise SystemExit("NCCL_NVLS_ENABLE must be 0 (NVLink multicast is forbidden here)")
 
 import bench_env  # pylint: disable=g-import-not-at-top,wrong-import-position
+import flag_checks  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 # Before jax is imported: without a GPU (the --lower_only path on a CPU machine), force 8 host
 # devices; with GPUs, check NCCL_NVLS_ENABLE again.
@@ -222,8 +223,14 @@ def table(rows) -> str:
   return "\n".join(lines)
 
 
+def check_flags() -> None:
+  """UsageError for a flag value that would fail later in the run (flag_checks)."""
+  flag_checks.shape_names("names", _NAMES.value)
+
+
 def main(argv):
   del argv
+  check_flags()
   if not _LOWER_ONLY.value:
     require_gpus()
   mesh2, mesh1 = make_meshes()

@@ -75,6 +75,7 @@ for _path in (_HERE.parent, _HERE):
 
 import bench_env  # pylint: disable=g-import-not-at-top,wrong-import-position
 from bench_env import fmt  # pylint: disable=g-import-not-at-top,wrong-import-position
+import flag_checks  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 # No jax at module level: smoke mode's XLA_FLAGS must be set first.
 
@@ -325,17 +326,21 @@ def format_table(records) -> str:
   return "\n".join(lines)
 
 
+def check_flags() -> None:
+  """UsageError for a flag value that would fail later in the run (flag_checks)."""
+  from pallas_rs import api  # pylint: disable=g-import-not-at-top
+  flag_checks.subset("implementations", FLAGS.implementations, api.IMPLEMENTATIONS)
+  flag_checks.subset("passes", FLAGS.passes, PASSES)
+  flag_checks.positive_ints("m", FLAGS.m)
+
+
 def main(argv: Sequence[str]) -> int:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
   mode = bench_env.configure_environment(FLAGS.mode)
+  check_flags()
   implementations = list(FLAGS.implementations)
   import jax  # pylint: disable=g-import-not-at-top
-  from pallas_rs import api  # pylint: disable=g-import-not-at-top
-  bad = set(implementations) - set(api.IMPLEMENTATIONS)
-  if bad:
-    raise app.UsageError(f"--implementations: {sorted(bad)} not in "
-                         f"{api.IMPLEMENTATIONS}")
   if mode == "smoke" and jax.default_backend() != "cpu":
     raise app.UsageError("smoke mode runs on CPU (JAX_PLATFORMS=cpu)")
   doc = {"schema_version": 1, "benchmark": "model_bench",

@@ -71,6 +71,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_env  # pylint: disable=g-import-not-at-top,wrong-import-position
+import flag_checks  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from pallas_rs.bench import numerics  # pylint: disable=g-import-not-at-top,wrong-import-position
 
@@ -771,21 +772,27 @@ def _multi_ds(jax) -> list[int]:
   return [v for v in (2, 4, 8) if v <= n_dev]
 
 
+def check_flags() -> None:
+  """UsageError for a flag value that would fail later in the run (flag_checks)."""
+  for flag, values, allowed in (("mode", _MODE.value, RUN_MODES), ("what", _WHAT.value, WHATS),
+                                ("modes", _NMODES.value, numerics.MODE_NAMES)):
+    if not values:
+      raise app.UsageError(f"--{flag} is empty: name some of {list(allowed)}")
+    flag_checks.subset(flag, values, allowed)
+  flag_checks.subset("families", _FAMILIES.value, numerics.FAMILIES)
+  flag_checks.positive_ints("num_devices", _DS.value)
+  flag_checks.positive_ints("multi_gpu_devices", _MULTI_D.value)
+  flag_checks.positive_ints("shape", _SHAPE.value)
+  if len(_SHAPE.value) != 3:
+    raise app.UsageError(f"--shape={_SHAPE.value} must be chunk_m,n,k_shard")
+
+
 def main(argv):
   del argv
+  check_flags()
   run_modes = list(_MODE.value)
   whats = list(_WHAT.value)
   modes = list(_NMODES.value)
-  if not set(run_modes) <= set(RUN_MODES) or not run_modes:
-    raise app.UsageError(f"--mode={run_modes} must be a subset of {RUN_MODES}")
-  if not set(whats) <= set(WHATS) or not whats:
-    raise app.UsageError(f"--what={whats} must be a subset of {WHATS}")
-  if not set(modes) <= set(numerics.MODE_NAMES) or not modes:
-    raise app.UsageError(f"--modes={modes} must be a subset of {numerics.MODE_NAMES}")
-  if not set(_FAMILIES.value) <= set(numerics.FAMILIES):
-    raise app.UsageError(f"--families={_FAMILIES.value} must be a subset of {numerics.FAMILIES}")
-  if len(_SHAPE.value) != 3:
-    raise app.UsageError(f"--shape={_SHAPE.value} must be chunk_m,n,k_shard")
   out_path = Path(_OUT.value) if _OUT.value else default_out(run_modes)
   if "numerics" not in out_path.name:
     raise app.UsageError(f"--out={out_path}: the file name must contain 'numerics'")

@@ -20,6 +20,7 @@ import time
 
 import bench_env  # experiments/ is sys.path[0] when run as a script.
 from config_variants import variant_config
+import flag_checks
 
 from absl import app
 from absl import flags
@@ -52,9 +53,21 @@ def require_gpu(jax) -> None:
     raise app.UsageError("overlap_probe.py runs the Mosaic GPU kernel: it needs a Hopper GPU")
 
 
+def check_flags() -> None:
+  """UsageError for a flag value that would fail later in the run (flag_checks)."""
+  from pallas_rs.kernel import rank  # pylint: disable=g-import-not-at-top
+  flag_checks.subset("what", _WHAT.value, ("check", "time"))
+  flag_checks.shape_names("names", _NAMES.value)
+  flag_checks.shape_names("proxy", [name + "_proxy8" for name in _PROXY.value])
+  flag_checks.variant_names("variants", _VARIANTS.value)
+  flag_checks.subset("comm_ablations", [part for a in _COMM_ABLATIONS.value
+                                        for part in a.split("+")], rank.ABLATIONS)
+
+
 def main(argv):
   del argv
   bench_env.configure_environment("auto")
+  check_flags()
   import jax  # pylint: disable=g-import-not-at-top
   from jax import lax  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top

@@ -246,6 +246,8 @@ mixtral8x22b_w2_m512,llama70b_o_proj_m2048,mixtral8x22b_o_proj_m2048 \
         2>&1 | tee "$out/stall_loopback_$v.log" | quiet | grep -E '^\{|^loopback|Timeout|File' \
         | cut -c1-200 | head -12
     done ;;
-  *) echo "usage: $0 check|sweep|proxy8|ablate|probe|numerics|model|roofline|mesh2d|smallm|smallm_proxy8|timeline|tiles|owner|ag|alone|stall|stall_which|stall_ablate|stall_loopback" >&2
+  *) echo "usage: $0 check|sweep|proxy8|ablate|probe|numerics|model|ag|roofline|mesh2d|smallm|\
+smallm_proxy8|timeline|tiles|order|owner|owner_pull|chains|alone|stall|stall_which|stall_ablate|\
+stall_loopback" >&2
      exit 2 ;;
 esac

@@ -29,6 +29,7 @@ import sys
 import bench_env  # experiments/ is sys.path[0] when run as a script.
 from config_variants import tuned_config
 from config_variants import variant_config
+import flag_checks
 
 from absl import app
 from absl import flags
@@ -105,9 +106,16 @@ def fit_for_profile(cfg, *, space: int, num_devices: int, tiles_per_cta: int):
   raise app.UsageError(f"{cfg} leaves no {fused.profile_smem_bytes(space)} B for the profiler")
 
 
+def check_flags() -> None:
+  """UsageError for a flag value that would fail later in the run (flag_checks)."""
+  flag_checks.shape_names("names", _NAMES.value)
+  flag_checks.variant_names("configs", _CONFIGS.value)
+
+
 def main(argv):
   del argv
   bench_env.configure_environment("auto")
+  check_flags()
   import jax  # pylint: disable=g-import-not-at-top
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
   from pallas_rs.bench import shapes  # pylint: disable=g-import-not-at-top

@@ -1,0 +1,61 @@
+"""Up-front checks of the experiment scripts' list flags.
+
+A script's `check_flags()` calls these first thing in its main (after
+`bench_env.configure_environment`, since they may import jax), so that a misspelt shape,
+config variant or mode stops a run before its first case rather than minutes into it: the
+calls of experiments/run_multi_gpu.sh are device time, and tests/test_run_multi_gpu.py puts
+each of them through its script's flag parsing and `check_flags()` on a CPU machine.
+Each raises `absl.app.UsageError` naming the flag and the bad values.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from absl import app
+
+
+def _refuse(flag: str, bad: Sequence[str], what: str) -> None:
+  if bad:
+    raise app.UsageError(f"--{flag}: {what}: {', '.join(map(repr, bad))}")
+
+
+def shape_names(flag: str, names: Iterable[str] | None) -> None:
+  """Every name is a case of pallas_rs.bench.shapes (seed, proxy8 or CI)."""
+  from pallas_rs.bench import shapes  # pylint: disable=g-import-not-at-top
+  known = {case.name for case in shapes.ALL_CASES}
+  _refuse(flag, [n for n in names or () if n not in known],
+          "not a shape of pallas_rs/bench/shapes.py (e.g. llama70b_o_proj_m512, "
+          "mixtral8x22b_w2_m2048_proxy8)")
+
+
+def shape_tags(flag: str, tags: Iterable[str] | None) -> None:
+  """Every tag is carried by some case of pallas_rs.bench.shapes."""
+  from pallas_rs.bench import shapes  # pylint: disable=g-import-not-at-top
+  known = set().union(*(case.tags for case in shapes.ALL_CASES))
+  _refuse(flag, [t for t in tags or () if t and t not in known],
+          f"not a shape tag (known: {sorted(known)})")
+
+
+def variant_names(flag: str, names: Iterable[str] | None) -> None:
+  """Every name is made of config_variants tokens."""
+  import config_variants  # pylint: disable=g-import-not-at-top
+  bad = []
+  for name in names or ():
+    try:
+      config_variants.check_name(name)
+    except ValueError as e:
+      bad.append(str(e))
+  if bad:
+    raise app.UsageError(f"--{flag}: {'; '.join(bad)} (experiments/config_variants.py)")
+
+
+def subset(flag: str, values: Iterable[str] | None, allowed: Iterable[str]) -> None:
+  """Every value is one of `allowed`."""
+  allowed = sorted(allowed) if isinstance(allowed, (set, frozenset)) else list(allowed)
+  _refuse(flag, [v for v in values or () if v not in allowed], f"not one of {allowed}")
+
+
+def positive_ints(flag: str, values: Iterable[str] | None) -> None:
+  """Every value is a positive integer."""
+  _refuse(flag, [v for v in values or () if not (str(v).isdigit() and int(v) > 0)],
+          "not a positive integer")

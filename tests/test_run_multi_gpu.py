@@ -1,0 +1,124 @@
+"""experiments/run_multi_gpu.sh on a CPU machine: each step's calls, as the shell builds them, go
+through their script's flag parsing and `check_flags()` (experiments/flag_checks.py), and each
+pytest selection it runs selects tests, so that a misspelt shape, config variant or flag in a
+queued multi-GPU step fails here and not on the device's time. Nothing is run: `python3`,
+`timeout` and `nvidia-smi` are stand-ins that record the calls."""
+import os
+from pathlib import Path
+import re
+import subprocess
+import sys
+
+from absl import app
+from absl import flags
+import pytest
+
+import helpers
+
+SCRIPT = helpers.REPO / "experiments" / "run_multi_gpu.sh"
+_SEP = "\x1f"
+_STAND_INS = {
+    "python3": f'printf "%s{_SEP}" "$@" >> "$CALLS"; printf "\\n" >> "$CALLS"; echo stand-in',
+    "timeout": 'shift; exec "$@"',
+    "nvidia-smi": "echo stand-in",
+}
+_PATH_FLAGS = ("out", "table", "trace_dir")
+
+
+def _modes() -> dict[str, list[str]]:
+  """The step names as the header lists them, as the case labels take them, as usage names them."""
+  text = SCRIPT.read_text()
+  header = re.findall(r"^#   OUT=\S+ bash experiments/run_multi_gpu.sh (\w+)", text, re.M)
+  cases = [mode for label in re.findall(r"^  ([\w|]+)\)$", text, re.M)
+           for mode in label.split("|")]
+  usage = re.search(r'echo "usage: \$0 ([\w|]+)"', text.replace("\\\n", ""))[1].split("|")
+  return dict(header=header, cases=cases, usage=usage)
+
+
+MODES = _modes()["cases"]
+
+
+def test_every_step_is_listed_in_the_header_and_the_usage_line():
+  modes = {where: set(names) for where, names in _modes().items()}
+  for where in ("header", "usage"):
+    assert modes[where] == modes["cases"], (
+        f"{where}: lacks {sorted(modes['cases'] - modes[where])}, "
+        f"has no step {sorted(modes[where] - modes['cases'])}")
+
+
+@pytest.fixture(scope="module")
+def calls(tmp_path_factory):
+  """{mode: (the recorded calls, each a list of arguments; the step's stderr; $OUT; $TMPDIR)}."""
+  root = tmp_path_factory.mktemp("run_multi_gpu")
+  bin_dir = root / "bin"
+  bin_dir.mkdir()
+  for name, body in _STAND_INS.items():
+    (bin_dir / name).write_text(f"#!/usr/bin/env bash\n{body}\n")
+    (bin_dir / name).chmod(0o755)
+  recorded = {}
+  for mode in MODES:
+    out, tmp, log = root / mode / "out", root / mode / "tmp", root / mode / "calls"
+    tmp.mkdir(parents=True)
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", OUT=str(out),
+               TMPDIR=str(tmp), CALLS=str(log))
+    proc = subprocess.run(["bash", str(SCRIPT), mode], cwd=helpers.REPO, env=env,
+                          capture_output=True, text=True, timeout=60, check=False)
+    lines = log.read_text().splitlines() if log.exists() else []
+    recorded[mode] = ([line.split(_SEP)[:-1] for line in lines], proc.stderr, out, tmp)
+  return recorded
+
+
+def _script_calls(call_list):
+  return [c for c in call_list if c and c[0].startswith("experiments/")]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_step_calls_parse_and_pass_their_checks(calls, mode):
+  call_list, stderr, out, tmp = calls[mode]
+  assert not re.search(r"unbound variable|syntax error|command not found", stderr), stderr
+  assert call_list, f"step {mode} called no python3"
+  for call in _script_calls(call_list):
+    script = Path(call[0]).stem
+    module = helpers.load_script(script)
+    try:
+      flags.FLAGS.unparse_flags()
+      rest = flags.FLAGS([call[0], *call[1:]])
+      assert rest == [call[0]], f"{mode}: {script} left arguments {rest[1:]}"
+      if hasattr(module, "check_flags"):
+        module.check_flags()
+      for name in _PATH_FLAGS:
+        value = getattr(flags.FLAGS, name, None) if name in flags.FLAGS else None
+        if value:  # Written under $OUT (what the device tool brings back) or the step's temp.
+          assert Path(value).is_relative_to(out) or Path(value).is_relative_to(tmp), (
+              f"{mode}: {script} --{name}={value} outside $OUT")
+    finally:
+      flags.FLAGS.unparse_flags()
+      helpers.forget_scripts(script)
+
+
+@pytest.mark.parametrize("mode", [m for m in MODES if "pytest" in SCRIPT.read_text().split(
+    f"\n  {m})")[-1].split(";;")[0]])
+def test_step_pytest_selections_select_tests(calls, mode):
+  selections = [c[c.index("pytest") + 1:] for c in calls[mode][0] if "pytest" in c]
+  assert selections
+  for args in selections:
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", *args],
+                          cwd=helpers.REPO, capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert proc.returncode == 0, f"{mode}: pytest {' '.join(args)} selects nothing:\n" \
+                                 f"{proc.stdout[-2000:]}"
+
+
+def test_a_misspelt_shape_or_variant_stops_the_script_before_it_runs():
+  ablate = helpers.load_script("ablate")
+  try:
+    for argv, match in ((["--names=llama70b_o_proj_m51"], "--names: not a shape.*m51"),
+                        (["--configs=table,p4_rnig"], "--configs: unknown variant token 'rnig'"),
+                        (["--ablations=fused,nither"], "--ablations: not one of.*'nither'")):
+      flags.FLAGS.unparse_flags()
+      flags.FLAGS(["ablate.py", *argv])
+      with pytest.raises(app.UsageError, match=match):
+        ablate.check_flags()
+  finally:
+    flags.FLAGS.unparse_flags()
+    helpers.forget_scripts("ablate")
