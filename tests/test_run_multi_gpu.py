@@ -25,17 +25,25 @@ _STAND_INS = {
 _PATH_FLAGS = ("out", "table", "trace_dir")
 
 
+def _bodies() -> dict[str, str]:
+  """{step: the text of its case branch}."""
+  text = SCRIPT.read_text()
+  parts = re.split(r"^  ([\w|]+)\)$", text, flags=re.M)[1:]
+  return {mode: body.split(";;")[0] for label, body in zip(parts[::2], parts[1::2])
+          for mode in label.split("|")}
+
+
 def _modes() -> dict[str, list[str]]:
   """The step names as the header lists them, as the case labels take them, as usage names them."""
   text = SCRIPT.read_text()
   header = re.findall(r"^#   OUT=\S+ bash experiments/run_multi_gpu.sh (\w+)", text, re.M)
-  cases = [mode for label in re.findall(r"^  ([\w|]+)\)$", text, re.M)
-           for mode in label.split("|")]
+  cases = list(_bodies())
   usage = re.search(r'echo "usage: \$0 ([\w|]+)"', text.replace("\\\n", ""))[1].split("|")
   return dict(header=header, cases=cases, usage=usage)
 
 
-MODES = _modes()["cases"]
+MODES = list(_bodies())
+PYTEST_MODES = [mode for mode, body in _bodies().items() if "-m pytest" in body]
 
 
 def test_every_step_is_listed_in_the_header_and_the_usage_line():
@@ -96,8 +104,7 @@ def test_step_calls_parse_and_pass_their_checks(calls, mode):
       helpers.forget_scripts(script)
 
 
-@pytest.mark.parametrize("mode", [m for m in MODES if "pytest" in SCRIPT.read_text().split(
-    f"\n  {m})")[-1].split(";;")[0]])
+@pytest.mark.parametrize("mode", PYTEST_MODES)
 def test_step_pytest_selections_select_tests(calls, mode):
   selections = [c[c.index("pytest") + 1:] for c in calls[mode][0] if "pytest" in c]
   assert selections
