@@ -28,6 +28,7 @@ from pallas_rs.bench import shapes as shapes_lib
 from pallas_rs.bench import testing
 
 import bench_env  # pylint: disable=g-bad-import-order  (experiments/, sys.path[0] as a script)
+import flag_checks  # pylint: disable=g-bad-import-order
 
 _WHAT = flags.DEFINE_enum("what", "correct", ["correct", "perf", "stress"], "Which check.")
 _OUT = flags.DEFINE_string("out", None, "JSON output path.")
@@ -146,7 +147,14 @@ def run_stress():
                worst_ratio=worst, seconds=round(time.time() - t, 1))]
 
 
+def check_flags() -> None:
+  """UsageError for a flag value that would fail later in the run (flag_checks)."""
+  flag_checks.subset("names", [s for s in _SHAPE_FILTER.value.split(",") if s],
+                     [case.name for case in shapes_lib.select(tags=["seed"])])
+
+
 def main(_):
+  check_flags()
   env = bench_env.environment_block(sys.argv)
   rows = {"correct": run_correct, "perf": run_perf, "stress": run_stress}[_WHAT.value]()
   if _OUT.value:

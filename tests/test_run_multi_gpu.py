@@ -129,3 +129,25 @@ def test_a_misspelt_shape_or_variant_stops_the_script_before_it_runs():
   finally:
     flags.FLAGS.unparse_flags()
     helpers.forget_scripts("ablate")
+
+
+_CHECKED_FLAGS = ("names", "configs", "variants", "ours", "tags", "variant")
+
+
+def test_every_script_with_shape_or_variant_flags_checks_them_in_main():
+  """A script taking shape or config-variant names defines `check_flags` and its main calls it."""
+  import ast  # pylint: disable=g-import-not-at-top
+  missing = []
+  for path in sorted((helpers.REPO / "experiments").glob("*.py")):
+    tree = ast.parse(path.read_text())
+    defined = {node.args[0].value for node in ast.walk(tree)
+               if isinstance(node, ast.Call) and getattr(node.func, "attr", "").startswith(
+                   "DEFINE_") and node.args and isinstance(node.args[0], ast.Constant)}
+    if not defined & set(_CHECKED_FLAGS):
+      continue
+    funcs = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
+    calls = {getattr(n.func, "id", None) for n in ast.walk(funcs["main"])
+             if isinstance(n, ast.Call)} if "main" in funcs else set()
+    if "check_flags" not in funcs or "check_flags" not in calls:
+      missing.append(path.name)
+  assert not missing, f"no check_flags() in main: {missing}"
