@@ -547,18 +547,18 @@ def dry_run(cases) -> None:
   print(f"{len(cases)} shapes, {total} timed functions (+ up to {loop} loopback)")
 
 
-def check_flags() -> None:
-  """UsageError for a flag value that would fail later in the run (flag_checks)."""
+def check_flags():
+  """UsageError for a flag value that would fail later in the run (flag_checks); else the
+  shapes selected (`select_cases`, which refuses a selection with no shape)."""
   flag_checks.shape_names("names", FLAGS.names)
   flag_checks.shape_tags("tags", FLAGS.tags)
-  select_cases()  # (refuses a selection with no shape)
+  return select_cases()
 
 
 def main(argv: Sequence[str]) -> int:
   # multi_gpu: NCCL_NVLS_ENABLE defaults to 0, anything else is refused.
   bench_env.configure_environment(FLAGS.mode)
-  check_flags()
-  cases = select_cases()
+  cases = check_flags()
   if FLAGS.dry_run:
     dry_run(cases)
     return 0

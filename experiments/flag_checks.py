@@ -22,9 +22,13 @@ def _refuse(flag: str, bad: Sequence[str], what: str) -> None:
 def shape_names(flag: str, names: Iterable[str] | None) -> None:
   """Every name is a case of pallas_rs.bench.shapes (seed, proxy8 or CI)."""
   from pallas_rs.bench import shapes  # pylint: disable=g-import-not-at-top
-  known = {case.name for case in shapes.ALL_CASES}
-  _refuse(flag, [n for n in names or () if n not in known],
-          "not a shape of pallas_rs/bench/shapes.py (e.g. llama70b_o_proj_m512, "
+  bad = []
+  for name in names or ():
+    try:
+      shapes.by_name(name)
+    except KeyError:
+      bad.append(name)
+  _refuse(flag, bad, "not a shape of pallas_rs/bench/shapes.py (e.g. llama70b_o_proj_m512, "
           "mixtral8x22b_w2_m2048_proxy8)")
 
 

@@ -90,9 +90,13 @@ def _time(f, *args):
   return list(timing.time_function(f, args, iterations=_ITERS.value, warmup=2).times_us)
 
 
+def _names() -> list[str]:
+  return [s for s in _SHAPE_FILTER.value.split(",") if s]
+
+
 def run_perf():
   rows = []
-  names = [s for s in _SHAPE_FILTER.value.split(",") if s]
+  names = _names()
   for case in shapes_lib.select(tags=["seed"]):
     if names and case.name not in names:
       continue
@@ -149,8 +153,7 @@ def run_stress():
 
 def check_flags() -> None:
   """UsageError for a flag value that would fail later in the run (flag_checks)."""
-  flag_checks.subset("names", [s for s in _SHAPE_FILTER.value.split(",") if s],
-                     [case.name for case in shapes_lib.select(tags=["seed"])])
+  flag_checks.subset("names", _names(), [case.name for case in shapes_lib.select(tags=["seed"])])
 
 
 def main(_):

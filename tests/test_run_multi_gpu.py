@@ -3,6 +3,7 @@ through their script's flag parsing and `check_flags()` (experiments/flag_checks
 pytest selection it runs selects tests, so that a misspelt shape, config variant or flag in a
 queued multi-GPU step fails here and not on the device's time. Nothing is run: `python3`,
 `timeout` and `nvidia-smi` are stand-ins that record the calls."""
+import contextlib
 import os
 from pathlib import Path
 import re
@@ -37,13 +38,14 @@ def _modes() -> dict[str, list[str]]:
   """The step names as the header lists them, as the case labels take them, as usage names them."""
   text = SCRIPT.read_text()
   header = re.findall(r"^#   OUT=\S+ bash experiments/run_multi_gpu.sh (\w+)", text, re.M)
-  cases = list(_bodies())
+  cases = list(_BODIES)
   usage = re.search(r'echo "usage: \$0 ([\w|]+)"', text.replace("\\\n", ""))[1].split("|")
   return dict(header=header, cases=cases, usage=usage)
 
 
-MODES = list(_bodies())
-PYTEST_MODES = [mode for mode, body in _bodies().items() if "-m pytest" in body]
+_BODIES = _bodies()
+MODES = list(_BODIES)
+PYTEST_MODES = [mode for mode, body in _BODIES.items() if "-m pytest" in body]
 
 
 def test_every_step_is_listed_in_the_header_and_the_usage_line():
@@ -80,6 +82,21 @@ def _script_calls(call_list):
   return [c for c in call_list if c and c[0].startswith("experiments/")]
 
 
+@contextlib.contextmanager
+def _parsed(script: str, argv):
+  """experiments/`script`.py loaded with its absl flags parsed from `argv` (arguments after the
+  program name); yields the module. Unloaded afterwards: other scripts define the same flags."""
+  module = helpers.load_script(script)
+  try:
+    flags.FLAGS.unparse_flags()
+    rest = flags.FLAGS([f"{script}.py", *argv])
+    assert rest == [f"{script}.py"], f"{script} left arguments {rest[1:]}"
+    yield module
+  finally:
+    flags.FLAGS.unparse_flags()
+    helpers.forget_scripts(script)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_step_calls_parse_and_pass_their_checks(calls, mode):
   call_list, stderr, out, tmp = calls[mode]
@@ -87,21 +104,14 @@ def test_step_calls_parse_and_pass_their_checks(calls, mode):
   assert call_list, f"step {mode} called no python3"
   for call in _script_calls(call_list):
     script = Path(call[0]).stem
-    module = helpers.load_script(script)
-    try:
-      flags.FLAGS.unparse_flags()
-      rest = flags.FLAGS([call[0], *call[1:]])
-      assert rest == [call[0]], f"{mode}: {script} left arguments {rest[1:]}"
+    with _parsed(script, call[1:]) as module:
       if hasattr(module, "check_flags"):
         module.check_flags()
       for name in _PATH_FLAGS:
-        value = getattr(flags.FLAGS, name, None) if name in flags.FLAGS else None
+        value = flags.FLAGS[name].value if name in flags.FLAGS else None
         if value:  # Written under $OUT (what the device tool brings back) or the step's temp.
           assert Path(value).is_relative_to(out) or Path(value).is_relative_to(tmp), (
               f"{mode}: {script} --{name}={value} outside $OUT")
-    finally:
-      flags.FLAGS.unparse_flags()
-      helpers.forget_scripts(script)
 
 
 @pytest.mark.parametrize("mode", PYTEST_MODES)
@@ -117,18 +127,11 @@ def test_step_pytest_selections_select_tests(calls, mode):
 
 
 def test_a_misspelt_shape_or_variant_stops_the_script_before_it_runs():
-  ablate = helpers.load_script("ablate")
-  try:
-    for argv, match in ((["--names=llama70b_o_proj_m51"], "--names: not a shape.*m51"),
-                        (["--configs=table,p4_rnig"], "--configs: unknown variant token 'rnig'"),
-                        (["--ablations=fused,nither"], "--ablations: not one of.*'nither'")):
-      flags.FLAGS.unparse_flags()
-      flags.FLAGS(["ablate.py", *argv])
-      with pytest.raises(app.UsageError, match=match):
-        ablate.check_flags()
-  finally:
-    flags.FLAGS.unparse_flags()
-    helpers.forget_scripts("ablate")
+  for argv, match in ((["--names=llama70b_o_proj_m51"], "--names: not a shape.*m51"),
+                      (["--configs=table,p4_rnig"], "--configs: unknown variant token 'rnig'"),
+                      (["--ablations=fused,nither"], "--ablations: not one of.*'nither'")):
+    with _parsed("ablate", argv) as ablate, pytest.raises(app.UsageError, match=match):
+      ablate.check_flags()
 
 
 _CHECKED_FLAGS = ("names", "configs", "variants", "ours", "tags", "variant")
