@@ -147,11 +147,12 @@ def make_config(d: int, mode: str):
 
 
 def kernel_reads_numerics() -> dict:
-  """Whether kernel/body.py / fused.py / transport.py mention each Config numerics field at all
-  (False: the field is ignored and that mode's rows measure another mode's arithmetic)."""
-  from pallas_rs.kernel import fused  # pylint: disable=g-import-not-at-top
-  from pallas_rs.kernel import body  # pylint: disable=g-import-not-at-top
-  src = "".join(inspect.getsource(mod) for mod in (body, fused))
+  """Whether the modules that build the kernel (body, comm, epilogue, fused, rank, transport)
+  mention each Config numerics field at all (False: the field is ignored and that mode's rows
+  measure another mode's arithmetic)."""
+  # pylint: disable-next=g-import-not-at-top
+  from pallas_rs.kernel import body, comm, epilogue, fused, rank, transport
+  src = "".join(inspect.getsource(mod) for mod in (body, comm, epilogue, fused, rank, transport))
   return {field: field in src for field in ("partial_dtype", "owner_sum")}
 
 

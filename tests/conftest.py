@@ -4,7 +4,7 @@ Tests marked `slow` (the CUDA lowering of every seed shape at D = 8 and of every
 config, the experiment scripts' end-to-end runs, the larger-D numerics sweeps, and the further
 cases of a path that a fast test already checks) are deselected unless `--runslow` or
 PALLAS_RS_RUNSLOW=1 (or `-m` names the marker): `python -m pytest -q tests -n 2` stays about
-3 minutes on a 2-core machine; `python -m pytest -q tests -m slow -n 2` runs the slow layer
+4 minutes on a 2-core machine; `python -m pytest -q tests -m slow -n 2` runs the slow layer
 alone, `--runslow` everything; CI (.ci/run) runs both layers (each on two processes).
 
 XLA_FLAGS must be set before jax is first imported, hence at the top of the

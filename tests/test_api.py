@@ -227,7 +227,7 @@ def test_auto_on_hopper_falls_back_once_per_reason(monkeypatch):
 @pytest.mark.parametrize("case_name,errors,match", [
     # Shape the kernel cannot tile: NotImplementedError from
     # pallas_rs.kernel.fused.check_supported, before anything is lowered.
-    ("ci_min_m_d2", NotImplementedError, None),
+    ("ci_min_m_d2", NotImplementedError, r"1 rows is below the smallest tile \(64\)"),
     # Shape the kernel takes: lowering for the CPU backend raises
     # NotImplementedError in pallas_rs's terms (not Pallas's "Only interpret mode
     # is supported on CPU backend").

@@ -1,5 +1,6 @@
 """experiments/overlap_probe.py's plumbing on 8 CPU devices, with the kernel replaced by a
 stand-in (the fused kernel cannot run on a CPU): variant names, checks, timing rows, JSON."""
+import dataclasses
 import json
 
 import pytest
@@ -26,13 +27,14 @@ def overlap_probe():
 def test_variant_names(overlap_probe):
   base = defaults.default_config(m=8192, n=8192, k_shard=4096, num_devices=2)
   assert overlap_probe.variant_config(base, "v1") == base
-  c4 = overlap_probe.variant_config(base, "c4_bf16")
+  # Tokens whose value the base has already are applied after one that changes it (f32, wn).
+  c4 = overlap_probe.variant_config(base, "f32_c4_bf16")
   assert (c4.comm_ctas, c4.partial_dtype, c4.epi_tile_n) == (4, "bfloat16", 64)
   o4 = overlap_probe.variant_config(base, "o4_bf16")
   assert o4.num_out_slots == 4 and o4.fits_smem(2)
   assert overlap_probe.variant_config(base, "o4").numerics == base.numerics == "unfused_order"
   assert overlap_probe.variant_config(base, "o4_f32").partial_dtype == "float32"
-  p4 = overlap_probe.variant_config(base, "p4_ring")
+  p4 = overlap_probe.variant_config(base, "f32_p4_ring")
   assert (p4.comm_ctas, p4.comm_mode, p4.numerics) == (4, "pull", "unfused_order")
   t = overlap_probe.variant_config(base, "t64x128_s4_p8")
   assert (t.tile_m, t.tile_n, t.comm_ctas, t.comm_mode) == (64, 128, 8, "pull")
@@ -41,11 +43,15 @@ def test_variant_names(overlap_probe):
   g = overlap_probe.variant_config(base, "gm_g4")
   assert (g.grid_minor_dim.name, g.grid_tile_width) == ("M", 4)
   assert overlap_probe.variant_config(g, "gn").grid_minor_dim.name == "N"
-  r = overlap_probe.variant_config(base, "r6_s2_e64")
-  assert (r.recv_stages, r.max_concurrent_steps, r.epi_tile_n) == (6, 2, 64) and r.fits_smem(2)
-  tadd = overlap_probe.variant_config(base, "tadd")
+  r = overlap_probe.variant_config(base, "r6_s2_e32")
+  assert (r.recv_stages, r.max_concurrent_steps, r.epi_tile_n) == (6, 2, 32) and r.fits_smem(2)
+  # The D = 2 default already adds by TMA: "tadd" must turn it on from a config without it.
+  no_add = dataclasses.replace(base, tma_add=False)
+  tadd = overlap_probe.variant_config(no_add, "tadd")
   assert tadd.tma_add and tadd.numerics == "unfused_order" and tadd.fits_smem(2)
-  noadd = overlap_probe.variant_config(tadd, "t64x256_wm_noadd")
+  wg_n = overlap_probe.variant_config(tadd, "wn")
+  assert wg_n.wg_dimension.name == "N"
+  noadd = overlap_probe.variant_config(wg_n, "t64x256_wm_noadd")
   assert not noadd.tma_add and noadd.wg_dimension.name == "M" and noadd.fits_smem(2)
   with pytest.raises(ValueError, match="unknown variant token"):
     overlap_probe.variant_config(base, "x9")
