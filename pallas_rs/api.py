@@ -9,6 +9,7 @@ and checks its config once per trace (docs/design.md section 6), and the chosen 
 """
 from __future__ import annotations
 
+from collections.abc import Hashable
 import functools
 import math
 from typing import Any
@@ -35,13 +36,14 @@ def check_implementation(implementation) -> None:
     raise ValueError(f"{implementation=} must be one of {IMPLEMENTATIONS}")
 
 
-def _normalize_scatter_dimension(scatter_dimension) -> int:
-  if scatter_dimension not in (0, 1, -2, -1) or isinstance(scatter_dimension,
-                                                           bool):
+def _normalize_scatter_dimension(scatter_dimension, name="scatter_dimension") -> int:
+  """0 or 1 (-2, -1 their aliases; an integer, not a bool or a float: 1.0 is refused)."""
+  if (isinstance(scatter_dimension, bool) or not isinstance(scatter_dimension, (int, np.integer))
+      or scatter_dimension not in (0, 1, -2, -1)):
     raise ValueError(
-        f"{scatter_dimension=} must be 0 (rows) or 1 (columns); -2 and -1 are "
+        f"{name}={scatter_dimension!r} must be 0 (rows) or 1 (columns); -2 and -1 are "
         "accepted as aliases")
-  return scatter_dimension % 2
+  return int(scatter_dimension) % 2
 
 
 def _check_config(config) -> None:
@@ -52,6 +54,20 @@ def _check_config(config) -> None:
   if not isinstance(config, Config):
     raise TypeError(f"config must be a pallas_rs.Config or None, got {type(config).__name__} "
                     f"{config!r}; e.g. config=pallas_rs.Config(tile_m=64)")
+
+
+def _check_ag_config(config) -> None:
+  """all_gather_matmul's `config` must be None or jax's `hopper_matmul_mgpu.TuningConfig`."""
+  if config is None:
+    return
+  try:
+    from jax.experimental.pallas.ops.gpu import (  # pylint: disable=g-import-not-at-top
+        hopper_matmul_mgpu)
+  except ImportError:  # No kernel here: "fused" raises NotImplementedError, saying so.
+    return
+  if not isinstance(config, hopper_matmul_mgpu.TuningConfig):
+    raise TypeError(f"config of all_gather_matmul must be a jax hopper_matmul_mgpu.TuningConfig "
+                    f"or None, got {type(config).__name__} {config!r}")
 
 
 def _check_floating(dtype, what: str) -> None:
@@ -88,9 +104,14 @@ def _check_operands(a, b, names=("x", "w"), dims=("m", "k_shard", "n")) -> None:
 
 
 def _axis_size(axis_name, fn_name: str) -> int:
+  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  if (not names or not all(isinstance(n, Hashable) for n in names)
+      or len(set(names)) != len(names)):
+    raise ValueError(f"{axis_name=} of {fn_name} must be a mesh axis name or a non-empty tuple "
+                     "of distinct ones")
   try:
     return lax.axis_size(axis_name)
-  except NameError as e:
+  except (NameError, ValueError) as e:
     raise ValueError(
         f"unknown {axis_name=}: call {fn_name} inside jax.shard_map "
         f"over a mesh with that axis ({e})") from None
@@ -110,6 +131,11 @@ def _validate(x, w, axis_name, scatter_dimension, implementation, config):
     raise ValueError(f"contraction dimensions differ: {x.shape=} {w.shape=} "
                      f"(x.shape[1] must equal w.shape[0])")
   num_devices = _axis_size(axis_name, "matmul_reduce_scatter")
+  _check_scatter_divisible(x, w, axis_name, num_devices, scatter_dimension)
+  return num_devices, scatter_dimension
+
+
+def _check_scatter_divisible(x, w, axis_name, num_devices, scatter_dimension) -> None:
   dim_name = ("m", "n")[scatter_dimension]
   size = (x.shape[0], w.shape[1])[scatter_dimension]
   if size % num_devices:
@@ -117,7 +143,6 @@ def _validate(x, w, axis_name, scatter_dimension, implementation, config):
         f"{dim_name}={size} must be divisible by the size of {axis_name=} "
         f"({num_devices=}) to scatter along {scatter_dimension=}; "
         f"{x.shape=} {w.shape=}")
-  return num_devices, scatter_dimension
 
 
 def matmul_reduce_scatter(x: jax.Array, w: jax.Array, *, axis_name,
@@ -193,19 +218,30 @@ def all_gather_matmul(lhs: jax.Array, rhs: jax.Array, axis_name, *,
       collective_matmul_mgpu, `pallas_rs.kernel.ag_matmul`) or "auto" (the kernel only where the
       tuning table measured it to win, `gate.decide`; else XLA, the reason
       logged once).
-    config: `hopper_matmul_mgpu.TuningConfig` for the kernel, or None.
+    config: `hopper_matmul_mgpu.TuningConfig` for the kernel, or None (anything else is a
+      TypeError).
 
   Returns:
     (product [m, n], gathered lhs [m, k]).
 
   Raises:
-    ValueError: bad ranks or shapes, unknown implementation or axis.
+    ValueError: bad ranks, shapes or dtypes (lhs and rhs alike, out_dtype floating, none
+      float64), gather_dimension, unknown implementation or axis.
+    TypeError: a config that is not a `TuningConfig`.
     NotImplementedError: implementation="fused" where the kernel does not apply.
   """
   check_implementation(implementation)
+  _check_ag_config(config)
+  gather_dimension = _normalize_scatter_dimension(gather_dimension, "gather_dimension")
   _check_operands(lhs, rhs, ("lhs", "rhs"), ("m_shard", "k", "n"))
-  out_dtype = jnp.dtype(out_dtype or lhs.dtype)
-  _check_floating(lhs.dtype, "lhs")
+  if lhs.dtype != rhs.dtype:
+    raise ValueError(f"lhs and rhs must have the same dtype, got {lhs.dtype=} {rhs.dtype=}")
+  _check_floating(lhs.dtype, "lhs and rhs")
+  try:
+    out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+  except TypeError:
+    raise ValueError(f"{out_dtype=} is not a dtype; e.g. out_dtype=jnp.float32") from None
+  _check_floating(out_dtype, "out_dtype")
   num_devices = _axis_size(axis_name, "all_gather_matmul")
   k = lhs.shape[1] * (num_devices if gather_dimension == 1 else 1)
   if k != rhs.shape[0]:
@@ -244,6 +280,20 @@ def _row_parallel_fn(mesh, axis_name, scatter_dimension, kwargs):
   return jax.jit(fn)
 
 
+def _check_placed_on(mesh, x, w) -> None:
+  """An AbstractMesh names no devices: outside `jax.set_mesh` the (concrete) inputs must already
+  lie on a mesh of its size, else XLA fails at run time with an internal error."""
+  if not isinstance(mesh, jax.sharding.AbstractMesh) or platform.traced_mesh(mesh) is not None:
+    return
+  for name, a in (("x", x), ("w", w)):
+    if isinstance(a, jax.core.Tracer):
+      continue
+    on = len(a.sharding.device_set) if isinstance(a, jax.Array) else 1
+    if on != mesh.size:
+      raise ValueError(f"mesh is an AbstractMesh of {mesh.size} devices but {name} lies on {on}; "
+                       "pass the concrete jax.sharding.Mesh, or call inside jax.set_mesh(mesh)")
+
+
 def row_parallel_matmul(x: jax.Array, w: jax.Array, *, mesh: jax.sharding.Mesh,
                         axis_name, scatter_dimension: int = 0,
                         **kwargs) -> jax.Array:
@@ -278,7 +328,10 @@ def row_parallel_matmul(x: jax.Array, w: jax.Array, *, mesh: jax.sharding.Mesh,
   if missing or not names:
     raise ValueError(f"{axis_name=} is not an axis of the mesh "
                      f"({mesh.axis_names=}; a tuple of its axes is also accepted)")
+  if len(set(names)) != len(names):
+    raise ValueError(f"{axis_name=} names a mesh axis more than once ({mesh.axis_names=})")
   _check_operands(x, w, dims=("m", "k", "n"))
+  _check_placed_on(mesh, x, w)
   num_devices = math.prod(mesh.shape[name] for name in names)
   k = x.shape[1]
   if k != w.shape[0]:
@@ -287,6 +340,7 @@ def row_parallel_matmul(x: jax.Array, w: jax.Array, *, mesh: jax.sharding.Mesh,
     raise ValueError(f"{k=} must be divisible by the size of {axis_name=} "
                      f"({num_devices=})")
   scatter_dimension = _normalize_scatter_dimension(scatter_dimension)
+  _check_scatter_divisible(x, w, axis_name, num_devices, scatter_dimension)  # global shapes
   unknown = sorted(set(kwargs) - {"implementation", "config"})
   if unknown:
     raise TypeError(f"unexpected keyword arguments {unknown}; row_parallel_matmul takes "

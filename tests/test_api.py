@@ -260,6 +260,7 @@ def test_fused_scatter_dimension_1_not_implemented():
 # --- validation ---------------------------------------------------------------
 
 _M, _KS, _N = 8, 16, 24  # Per-device shapes of the validation cases (D = 4).
+_AG = {"fn": pallas_rs.all_gather_matmul}  # A case of all_gather_matmul (lhs [2, 16]).
 
 
 @pytest.mark.parametrize("x_shape,w_shape,dtypes,kw,match", [
@@ -280,18 +281,27 @@ _M, _KS, _N = 8, 16, 24  # Per-device shapes of the validation cases (D = 4).
      r"scatter_dimension=2 must be 0 \(rows\) or 1"),
     ((_M, _KS), (_KS, _N), None, {"implementation": "triton"},
      r"implementation='triton' must be one of \('auto', 'fused', 'xla'\)"),
+    ((_M, _KS), (_KS, _N), None, {"scatter_dimension": 1.0}, r"scatter_dimension=1.0 must be 0"),
+    ((_M, _KS), (_KS, _N), None, {"axis_name": [AXIS]}, r"axis_name=\['x'\] of matmul_reduce"),
+    ((_M, _KS), (_KS, _N), None, {"axis_name": (AXIS, AXIS)}, r"axis_name=\('x', 'x'\) of matm"),
+    ((_M, _KS), (_KS, _N), None, {"axis_name": ()}, r"axis_name=\(\) of matmul_reduce_scatter"),
+    ((2, _KS), (_KS, _N), None, {**_AG, "gather_dimension": True}, r"gather_dimension=True must"),
+    ((2, _KS), (_KS, _N), ("bfloat16", "int32"), _AG, r"same dtype.*rhs.dtype=dtype\('int32'\)"),
+    ((2, _KS), (_KS, _N), None, {**_AG, "out_dtype": jnp.int32}, r"out_dtype must be floating"),
 ], ids=["x_rank", "w_rank", "k_mismatch", "dtype_mismatch", "int_dtype",
         "m_indivisible", "n_indivisible_dim1", "unknown_axis", "bad_scatter_dim",
-        "bad_implementation"])
+        "bad_implementation", "float_scatter_dim", "axis_list", "axis_twice", "axis_empty",
+        "ag_bool_gather_dim", "ag_rhs_int", "ag_out_dtype_int"])
 def test_validation_errors(x_shape, w_shape, dtypes, kw, match):
   mesh = helpers.make_mesh(4)
   x_dtype, w_dtype = dtypes or ("bfloat16", "bfloat16")
   x = jnp.zeros(x_shape, helpers.np_dtype(x_dtype))
   w = jnp.zeros(w_shape, helpers.np_dtype(w_dtype))
   kw = {"axis_name": AXIS, **kw}
+  fn = kw.pop("fn", pallas_rs.matmul_reduce_scatter)
 
   def body(x, w):
-    return pallas_rs.matmul_reduce_scatter(x, w, **kw)
+    return fn(x, w, **kw)
 
   # Validation runs at trace time: no compilation needed.
   with pytest.raises(ValueError, match=match):
@@ -311,6 +321,8 @@ def test_unknown_axis_outside_shard_map():
     ((8, 16), (16,), AXIS, r"rank 2.*\(16,\)"),
     ((8, 16), (12, 8), AXIS, r"contraction dimensions differ"),
     ((8, 18), (18, 8), AXIS, r"k=18 must be divisible.*num_devices=4"),
+    ((8, 16), (16, 8), (AXIS, AXIS), r"axis_name=\('x', 'x'\) names a mesh axis more than once"),
+    ((6, 16), (16, 8), AXIS, r"m=6 must be divisible.*x.shape=\(6, 16\) w.shape=\(16, 8\)"),
 ])
 def test_row_parallel_validation(x_shape, w_shape, axis_name, match):
   mesh = helpers.make_mesh(4)
@@ -365,6 +377,8 @@ def test_mesh_none_is_refused():
   x, w = jnp.zeros((8, 16)), jnp.zeros((16, 8))
   with pytest.raises(ValueError, match=r"mesh must be a jax.sharding.Mesh.*got mesh=None"):
     pallas_rs.row_parallel_matmul(x, w, mesh=None, axis_name=AXIS)
+  with pytest.raises(ValueError, match=r"AbstractMesh of 4 devices but x lies on 1; pass the"):
+    pallas_rs.row_parallel_matmul(x, w, mesh=helpers.make_mesh(4).abstract_mesh, axis_name=AXIS)
 
 
 @pytest.mark.parametrize("config", [{"tile_m": 64}, "tile_m=64", 64])
@@ -375,6 +389,8 @@ def test_config_must_be_a_config(config):
     with pytest.raises(TypeError, match=r"config must be a pallas_rs.Config or None"):
       pallas_rs.row_parallel_matmul(x, w, mesh=mesh, axis_name=AXIS,
                                     implementation=impl, config=config)
+    with pytest.raises(TypeError, match=r"config of all_gather_matmul must be a jax .*TuningConf"):
+      pallas_rs.all_gather_matmul(x, w, AXIS, implementation=impl, config=config)
 
   def body(x, w):
     return pallas_rs.matmul_reduce_scatter(x, w, axis_name=AXIS, config=config)
