@@ -17,6 +17,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 from typing import Any
 
 from absl import app
@@ -102,6 +103,24 @@ def run_cmd(cmd: Sequence[str]) -> str | None:
   return res.stdout.strip() if res.returncode == 0 else None
 
 
+def working_tree_id(repo: Path = REPO) -> str | None:
+  """The git tree id of the files as they are (tracked and untracked, not ignored): what
+  `git rev-parse <commit>^{tree}` gives for the commit holding exactly these files, so a
+  record names the code that ran even where HEAD lags the tree (a device copy). Built in a
+  throwaway index; None where git cannot."""
+  with tempfile.TemporaryDirectory() as tmp:
+    env = dict(os.environ, GIT_INDEX_FILE=os.path.join(tmp, "index"))
+    try:
+      for cmd in (["git", "add", "-A"], ["git", "write-tree"]):
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False,
+                             cwd=repo, env=env)
+        if res.returncode:
+          return None
+    except (OSError, subprocess.SubprocessError):
+      return None
+  return res.stdout.strip() or None
+
+
 def environment_block(argv: Sequence[str]) -> dict[str, Any]:
   """jax/jaxlib, backend, devices, driver, XLA/NCCL env, git, command, date."""
   import jax  # pylint: disable=g-import-not-at-top
@@ -129,6 +148,7 @@ def environment_block(argv: Sequence[str]) -> dict[str, Any]:
                    if k.startswith("NCCL_")},
       "git_commit": commit,
       "git_dirty": bool(status) if status is not None else None,
+      "git_tree": working_tree_id(),
       "command": " ".join(shlex.quote(a) for a in [sys.executable, *argv]),
       "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(),
   }

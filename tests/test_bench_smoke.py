@@ -117,6 +117,36 @@ def test_configure_environment_smoke_after_jax_import(bench):
   assert env == {"XLA_FLAGS": ""}
 
 
+def test_working_tree_id_names_the_files_as_they_are(bench, tmp_path):
+  """git_tree: a checkout's own commit tree when clean (ignored files aside); after an edit and
+  a new file, the tree of the commit that will hold them; the real index left alone."""
+  del bench  # Loading the main puts experiments/ on sys.path.
+  import bench_env  # pylint: disable=g-import-not-at-top
+  who = {f"GIT_{r}_{k}": v for r in ("AUTHOR", "COMMITTER") for k, v in
+         (("NAME", "t"), ("EMAIL", "t@t"))}
+
+  def git(*args):
+    return subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True,
+                          text=True, env={**os.environ, **who}).stdout.strip()
+
+  git("init", "-q")
+  (tmp_path / ".gitignore").write_text("out/\n")
+  (tmp_path / "a.py").write_text("x = 1\n")
+  git("add", "-A")
+  git("commit", "-q", "-m", "one")
+  (tmp_path / "out").mkdir()
+  (tmp_path / "out" / "r.json").write_text("{}")
+  assert bench_env.working_tree_id(tmp_path) == git("rev-parse", "HEAD^{tree}")
+  (tmp_path / "a.py").write_text("x = 2\n")
+  (tmp_path / "b.py").write_text("y = 1\n")
+  dirty = bench_env.working_tree_id(tmp_path)
+  assert dirty != git("rev-parse", "HEAD^{tree}") and not git("diff", "--cached", "--name-only")
+  git("add", "-A")
+  git("commit", "-q", "-m", "two")
+  assert dirty == git("rev-parse", "HEAD^{tree}")
+  assert bench_env.working_tree_id(tmp_path / "absent") is None
+
+
 def test_flag_parsing(bench):
   with flagsaver.flagsaver():
     FLAGS(["bench", "--mode=smoke", "--implementations=xla,auto",
