@@ -64,7 +64,9 @@ def validate_record(record: dict[str, Any]) -> None:
       p90, p95}, rule, iterations, warmup, compile_s, host_batch_us, kernels,
       notes.
     check: None (--nocheck, or not ok) or {max_rel_error, reference,
-      unfused_max_rel_error, ratio_to_unfused, passed}.
+      unfused_max_rel_error, ratio_to_unfused, rule, rule_applied, passed}; a judged
+      record whose rule could not be applied (no unfused error) has rule_applied false and
+      passed false.
     throughput: {tflops, gbps} from the median (None unless ok).
     metrics: overlap figures (overlap implementations) or D = 1 / loopback
       ratios; None when a needed time is missing.
@@ -154,6 +156,16 @@ max(T_gemm, T_comm); speedup = T_seq / T_fused. max_rel_err is normwise against 
 reference; ratio = that error / the unfused path's (the seed rule: <= 1.1)."""
 
 
+def _check_word(chk: dict[str, Any], sep: str = "") -> str:
+  """"" for a passed (or absent) check; "UNCHECKED (...)" where the error rule could not be
+  applied (no unfused error to compare with); "CHECK FAILED" otherwise."""
+  if chk.get("passed", True):
+    return ""
+  if chk.get("rule_applied") is False:
+    return sep + "UNCHECKED (no unfused error)"
+  return sep + "CHECK FAILED"
+
+
 def progress_line(done: int, total: int, records: Sequence[dict[str, Any]],
                   elapsed_s: float) -> str:
   """The line printed as each shape finishes: its records' medians (us) or statuses."""
@@ -164,8 +176,7 @@ def progress_line(done: int, total: int, records: Sequence[dict[str, Any]],
     label = r["implementation"] + (f"@D{r['shape']['num_devices']}" if len(ds) > 1 else "")
     if r["status"] == "ok":
       chk = r["check"] or {}
-      value = fmt(r["timing"]["stats"]["median"], ".1f") + (
-          "" if chk.get("passed", True) else " CHECK FAILED")
+      value = fmt(r["timing"]["stats"]["median"], ".1f") + _check_word(chk, " ")
     else:
       value = r["status"].split(":")[0]
     parts.append(f"{label} {value}")
@@ -186,8 +197,7 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
     # them, labelled performance_claims=false).
     mets = (r["metrics"] or {}) if r["performance_claims"] else {}
     chk = r["check"] or {}
-    status = r["status"] if r["status"] != "ok" else (
-        "ok" if chk.get("passed", True) else "CHECK FAILED")
+    status = r["status"] if r["status"] != "ok" else (_check_word(chk) or "ok")
     if r["status"] == "ok" and not r["performance_claims"]:
       status += " (no perf claims)"
     lines.append(

@@ -147,19 +147,24 @@ def stream_reference(xs: np.ndarray, ws: np.ndarray, *,
 
 def check_block(err: float, label: str, *, role: str, unfused_err: float | None,
                 max_error_ratio: float) -> dict[str, Any]:
-  """A record's "check": its error, and for a "judged" role the rule against `unfused_err`."""
-  ratio, passed = None, True
+  """A record's "check": its error, and for a "judged" role the rule against `unfused_err`.
+
+  A judged record without the unfused error (its candidate failed, was unavailable or
+  unchecked) cannot be judged: "rule_applied" is False and it does not pass."""
+  ratio, passed, applied = None, True, role == "judged"
   if role == "unfused":
     unfused_err, ratio = err, 1.0
   elif role == "judged" and unfused_err is not None:
     ratio = err / unfused_err if unfused_err > 0 else (0.0 if err == 0 else math.inf)
     passed = ratio <= max_error_ratio
+  elif role == "judged":
+    passed, applied = False, False
   elif role == "baseline":
     unfused_err = None
   return {"max_rel_error": err, "reference": label, "unfused_max_rel_error": unfused_err,
           "ratio_to_unfused": ratio,
           "rule": f"ratio_to_unfused <= {max_error_ratio}" if role == "judged" else None,
-          "passed": passed}
+          "rule_applied": applied if role == "judged" else None, "passed": passed}
 
 
 def _to_numpy(a) -> np.ndarray:

@@ -211,11 +211,21 @@ def _step_us(record) -> float | None:
   return timing["host_batch_us"] or timing["stats"]["median"]
 
 
+def check_against_xla(out, xla_out, pass_name: str) -> dict[str, Any]:
+  """The record's "check": normwise max over all output leaves (a NaN in any leaf makes the
+  error NaN, which fails), against CHECK_TOL[pass_name]."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from pallas_rs import reference  # pylint: disable=g-import-not-at-top
+  err = float(np.max([reference.max_rel_error(a, b) for a, b in zip(
+      jax.tree.leaves(out), jax.tree.leaves(xla_out))]))
+  return {"max_rel_error": err, "reference": "xla block", "tolerance": CHECK_TOL[pass_name],
+          "passed": bool(err <= CHECK_TOL[pass_name])}
+
+
 def sweep(mode: str, implementations: Sequence[str],
           checkpoint=lambda records, done: None) -> list[dict[str, Any]]:
   import jax  # pylint: disable=g-import-not-at-top
   from jax.sharding import Mesh  # pylint: disable=g-import-not-at-top
-  from pallas_rs import reference  # pylint: disable=g-import-not-at-top
   from pallas_rs.bench import timing as timing_lib  # pylint: disable=g-import-not-at-top
 
   devices = jax.devices()
@@ -276,11 +286,7 @@ def sweep(mode: str, implementations: Sequence[str],
           logging.exception("%s m=%d %s", impl, m, pass_name)
           record["status"] = f"failed: {type(e).__name__}: {e}"
         if not impl.startswith(NO_COMM) and impl != "xla" and impl in outputs:
-          err = max(reference.max_rel_error(a, b) for a, b in zip(
-              jax.tree.leaves(outputs[impl]), jax.tree.leaves(outputs["xla"])))
-          record["check"] = {"max_rel_error": err, "reference": "xla block",
-                             "tolerance": CHECK_TOL[pass_name],
-                             "passed": err <= CHECK_TOL[pass_name]}
+          record["check"] = check_against_xla(outputs[impl], outputs["xla"], pass_name)
         by_impl[impl] = record
         records.append(record)
       t_xla, t_local = _step_us(by_impl["xla"]), _step_us(by_impl[NO_COMM])
@@ -307,6 +313,13 @@ def sweep(mode: str, implementations: Sequence[str],
   return records
 
 
+def _status(record) -> str:
+  """The record's status, "CHECK FAILED" where it ran but its check against "xla" failed."""
+  chk = record["check"] or {}
+  return "CHECK FAILED" if record["status"] == "ok" and chk.get("passed") is False else (
+      record["status"])
+
+
 def format_table(records) -> str:
   lines = [f"{'m':>6} {'D':>2} {'pass':<16} {'impl':<17} {'step_us':>10} "
            f"{'exposed%':>8} {'vs xla':>7} {'err':>8}  status"]
@@ -322,7 +335,7 @@ def format_table(records) -> str:
         f"{fmt(None if share is None else 100 * share, '.1f'):>8} "
         f"{fmt(met.get('speedup_vs_xla'), '.3f'):>7} "
         f"{fmt(chk.get('max_rel_error'), '.1e'):>8}"
-        f"  {r['status'][:90]}")
+        f"  {_status(r)[:90]}")
   return "\n".join(lines)
 
 

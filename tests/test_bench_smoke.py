@@ -204,6 +204,37 @@ def test_single_gpu_sweep_records_unavailable_on_cpu(bench, harness):
       assert r["check"]["passed"] and r["check"]["max_rel_error"] < 1e-2
 
 
+def test_judged_record_without_unfused_error_is_not_a_pass(bench, harness):
+  # The unfused candidate is unavailable, so the judged one's error rule cannot be applied:
+  # its record must not say passed (nor "ok" in the table), and the run's exit rule sees it.
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  def unavailable():
+    raise NotImplementedError("no unfused path here")
+
+  fn, args = jax.jit(lambda a: a * 2), (jnp.ones((4, 4), jnp.float32),)
+  cands = [harness.Candidate("seq", unavailable, lambda out: (0.0, "ref"), 1.0, 1.0,
+                             role="unfused"),
+           harness.Candidate("xla", lambda: (fn, args, args), lambda out: (0.5, "ref"), 1.0,
+                             1.0, role="judged")]
+  shape = {"name": "ci_x", "m": 4, "n": 4, "k": 4, "num_devices": 1, "k_shard": 4,
+           "m_shard": 4, "dtype": "float32"}
+  settings = harness.Settings(timer="host_wall_clock", iterations=2, warmup=1)
+  seq, judged = harness.run_candidates("smoke", shape, cands, num_devices=1, settings=settings)
+  assert seq["status"].startswith("unavailable: ")
+  bench.validate_record(bench.sanitize(judged))
+  assert judged["check"]["passed"] is False
+  assert judged["check"]["rule_applied"] is False
+  assert judged["check"]["ratio_to_unfused"] is None
+  table = bench.format_table([judged])
+  assert "UNCHECKED" in table and " ok" not in table.splitlines()[-1]
+  assert "UNCHECKED" in bench.progress_line(1, 1, [judged], 0.0)
+  # With the unfused error present the same record is judged.
+  good = harness.check_block(0.5, "ref", role="judged", unfused_err=1.0, max_error_ratio=1.1)
+  assert good["rule_applied"] is True and good["passed"] is True
+
+
 # --- end to end -----------------------------------------------------------------
 
 

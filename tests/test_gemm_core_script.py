@@ -53,3 +53,33 @@ def test_gemm_core_refuses_a_cpu():
       mod.require_gpu(jax)
   finally:
     helpers.forget_scripts("gemm_core")
+
+
+WRONG_FAST_STAND_IN = """
+import jax.numpy as jnp
+def local_stand_in(x, w, *, config=None):
+  if config.tile_n == 256:  # t64x256_wm: fast and wrong.
+    return jnp.zeros((x.shape[0], w.shape[1]), x.dtype)
+  return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+fused.local_matmul = local_stand_in
+"""
+
+
+@pytest.mark.slow  # ~6 s on 2 CPU cores: the slow layer (tests/conftest.py).
+def test_gemm_core_best_is_never_a_config_that_failed_its_check(tmp_path):
+  out = tmp_path / "gemm_core.json"
+  proc = helpers.run_script_with_stand_ins(
+      "gemm_core.py", ["--projections=mixtral8x22b_o_proj", "--ms=512", "--ds=8",
+                       "--ours=table,t64x256_wm,t128x128", "--jax=64x192_M_-",
+                       "--iterations=2", f"--out={out}"],
+      stand_ins=WRONG_FAST_STAND_IN, after_load=AFTER_LOAD)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  (row,) = json.loads(out.read_text())["rows"]
+  assert row["max_rel_error"]["ours:t64x256_wm"] == 1.0  # all zeros
+  # It is the fastest of ours (zeros), and the table must not call it the best.
+  med = {k: sorted(v)[0] for k, v in row["times_us"].items() if k.startswith("ours:")}
+  assert min(med, key=med.get) == "ours:t64x256_wm", med
+  (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("mixtral8x22b_o_proj_m512 ")
+             and "D=" not in ln]
+  assert "t64x256_wm" not in line, line
+  assert line.split()[-2:] == ["1", "0"], line  # bad err, failed

@@ -109,3 +109,55 @@ def test_model_bench_per_layer_smoke(tmp_path):
       "xla", "no_comm", *(f"no_comm_{layer}" for layer in no_comm.LAYERS)}
   (xla,) = [r for r in records if r["implementation"] == "xla"]
   assert set(xla["metrics"]["exposed_comm_by_layer_us"]) == set(no_comm.LAYERS)
+
+
+NAN_GRAD_AFTER_LOAD = """
+import jax, jax.numpy as jnp
+_functions = mod._functions
+def _nan_in_last_leaf(mesh, dims, variant):
+  fns = _functions(mesh, dims, variant)
+  if variant != "auto":
+    return fns
+  fb = fns["forward_backward"]
+  def bad(params, h):  # Loss and output as "xla"'s, one gradient leaf NaN.
+    leaves, tree = jax.tree.flatten(fb(params, h))
+    return jax.tree.unflatten(tree, leaves[:-1] + [leaves[-1] * jnp.nan])
+  return dict(fns, forward_backward=jax.jit(bad))
+mod._functions = _nan_in_last_leaf
+"""
+
+
+@pytest.mark.slow  # ~20 s on 2 CPU cores: the slow layer (tests/conftest.py).
+def test_model_bench_a_nan_gradient_fails_the_check(tmp_path):
+  """A NaN in one gradient leaf (not the first) must fail the record's check, say so in the
+  table and give exit code 1 (a max over the leaves must not drop the NaN)."""
+  import json  # pylint: disable=g-import-not-at-top
+  out = tmp_path / "model_smoke.json"
+  proc = helpers.run_script_with_stand_ins(
+      "model_bench.py", ["--mode=smoke", "--m=64", "--iterations=1", "--warmup=0",
+                         "--implementations=xla,auto", "--passes=forward_backward",
+                         f"--out={out}"], stand_ins="", after_load=NAN_GRAD_AFTER_LOAD)
+  doc = json.loads(out.read_text())
+  (auto,) = [r for r in doc["records"] if r["implementation"] == "auto"]
+  assert auto["status"] == "ok", auto["status"]
+  assert auto["check"]["passed"] is False, auto["check"]
+  assert auto["check"]["max_rel_error"] is None  # NaN, written as null
+  (row,) = [line for line in proc.stdout.splitlines() if " auto " in line]
+  assert "CHECK FAILED" in row, proc.stdout[-2000:]
+  assert proc.returncode == 1, proc.stderr[-2000:]
+
+
+def test_model_bench_table_says_when_a_check_failed():
+  """A record that ran ("ok") but failed its check against "xla" reads CHECK FAILED in the
+  table, not ok."""
+  mod = helpers.load_script("model_bench")
+  try:
+    rec = {"shape": {"m": 64, "num_devices": 8}, "pass": "forward", "implementation": "auto",
+           "status": "ok", "timing": {"stats": {"median": 5.0}}, "metrics": None,
+           "check": {"max_rel_error": 0.5, "tolerance": 3e-2, "passed": False}}
+    good = dict(rec, implementation="xla", check=None)
+    bad_row, good_row = mod.format_table([rec, good]).splitlines()[1:]
+    assert bad_row.rstrip().endswith("CHECK FAILED"), bad_row
+    assert good_row.rstrip().endswith("ok"), good_row
+  finally:
+    helpers.forget_scripts("model_bench")

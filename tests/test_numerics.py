@@ -273,6 +273,13 @@ def test_error_ratio_and_summary():
   assert s["max"] == 1.5 and s["worst_seed"] == 11 and s["num_over_bound"] == 2
   assert s["err_fused_at_worst"] == 3.0 and s["err_unfused_at_worst"] == 2.0
   assert s["median"] == pytest.approx(1.1) and s["num_inputs"] == 4
+  assert s["num_nan_ratio"] == 0
+  # A NaN error keeps no rule: it is the worst input, over the bound, and the verdict fails.
+  s = nm.ratio_summary([0.5, float("nan"), 0.9], [1.0, 1.0, 1.0], seeds=[5, 6, 7])
+  assert (s["max"], s["worst_seed"], s["num_over_bound"], s["num_nan_ratio"]) == (
+      float("inf"), 6, 1, 1)
+  v = nm.rule_verdict([dict(s, family="gaussian")], families=("gaussian",), min_inputs=1)
+  assert v["holds"] is False and v["num_over_bound"] == 1
   assert nm.max_rel_error is reference.max_rel_error
 
 
@@ -1011,3 +1018,31 @@ def test_script_device_modes_with_stand_in_kernel(tmp_path):
     for md in nm.MODE_NAMES:
       assert s[f"min_over_inputs.fused_kernel.{md}.vs_fused_emulation.{md}"] == 1.0
   _table_is_last(stdout, cases)
+
+
+def test_script_nan_errors_break_the_rule_not_keep_it():
+  """A NaN fused error on one input of 1000 (per family) must not leave the rule "held": the
+  script's rows count it over the bound, and the verdict is False."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  import helpers  # pylint: disable=g-import-not-at-top
+  mod = helpers.load_script("numerics")
+  try:
+    if not flags.FLAGS.is_parsed():
+      flags.FLAGS.mark_as_parsed()
+    n, md = nm.MIN_RULE_INPUTS, "bf16_partials"
+    rows = []
+    for fam in nm.FAMILIES:
+      err_fused = np.full(n, 0.004)
+      if fam == nm.FAMILIES[-1]:
+        err_fused[7] = np.nan
+      stats = {"err_unfused": np.full(n, 0.004), f"err_fused_{md}": err_fused,
+               f"same_{md}": np.zeros(n, np.int64), "elements": 1}
+      rows += mod._case_rows("loopback", 2, fam, [md], stats, np.arange(n), seconds=0.0)
+    verdict = mod.rule_table(rows, [md])["loopback"]["2"][md]
+    assert verdict["holds"] is False, verdict
+    bad = rows[-1]
+    assert bad["num_nan_ratio"] == 1 and bad["num_over_bound"] == 1 and bad["worst_seed"] == 7
+    assert bad["max"] > nm.RULE_BOUND
+    assert all(r["num_nan_ratio"] == 0 and r["max"] == 1.0 for r in rows[:-1])
+  finally:
+    helpers.forget_scripts("numerics")

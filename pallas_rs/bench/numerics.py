@@ -330,7 +330,8 @@ def ratio_summary(err_fused, err_unfused, seeds=None, *, bound: float = RULE_BOU
   """Distribution of the per-input ratio err_fused / err_unfused (error_ratio, elementwise).
 
   Returns max, p99, median, min, num_over_bound (ratio > bound), the worst input's seed (its
-  index when `seeds` is None) and both errors at that input.
+  index when `seeds` is None) and both errors at that input. A NaN ratio (a NaN error) does not
+  keep the rule: it counts as inf (num_nan_ratio says how many), so max and rule_verdict see it.
   """
   ef = np.asarray(err_fused, np.float64).ravel()
   eu = np.asarray(err_unfused, np.float64).ravel()
@@ -338,12 +339,16 @@ def ratio_summary(err_fused, err_unfused, seeds=None, *, bound: float = RULE_BOU
     raise ValueError(f"need equal, non-empty error arrays, got {ef.shape} and {eu.shape}")
   seeds = np.arange(ef.size) if seeds is None else np.asarray(seeds).ravel()
   ratio = np.array([error_ratio(f, u) for f, u in zip(ef, eu)])
+  nan = np.isnan(ratio)
+  ratio = np.where(nan, np.inf, ratio)
   worst = int(np.argmax(ratio))
+  with np.errstate(invalid="ignore"):  # inf - inf inside the interpolation: the limit is inf
+    p99, median = np.nan_to_num(np.percentile(ratio, [99, 50]), nan=np.inf)
   return dict(num_inputs=int(ef.size), max=float(ratio[worst]),
-              p99=float(np.percentile(ratio, 99)), median=float(np.median(ratio)),
+              p99=float(p99), median=float(median),
               min=float(ratio.min()), num_over_bound=int(np.sum(ratio > bound)),
               bound=bound, worst_seed=int(seeds[worst]), err_fused_at_worst=float(ef[worst]),
-              err_unfused_at_worst=float(eu[worst]))
+              err_unfused_at_worst=float(eu[worst]), num_nan_ratio=int(nan.sum()))
 
 
 def mode_summaries(errors, seeds=None, *, modes: Sequence[str] = MODE_NAMES,
