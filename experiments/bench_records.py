@@ -115,10 +115,13 @@ def validate_record(record: dict[str, Any]) -> None:
     check = record["check"]
     if check is not None:
       err = check.get("max_rel_error")
-      if not isinstance(err, (int, float)) or err < 0:
-        raise ValueError(f"check.max_rel_error={err!r} must be a number >= 0")
       if not isinstance(check.get("passed"), bool):
         raise ValueError(f"check.passed={check.get('passed')!r} must be a bool")
+      # null: a NaN error (the JSON has no NaN), which never passes.
+      if err is None and check["passed"]:
+        raise ValueError("check.max_rel_error=None (a NaN error) cannot pass")
+      if err is not None and (not isinstance(err, (int, float)) or err < 0):
+        raise ValueError(f"check.max_rel_error={err!r} must be a number >= 0 or null")
   elif status.startswith(("unavailable: ", "failed: ")):
     if record["timing"] is not None:
       raise ValueError(f"{status=} must not carry a timing block")

@@ -161,6 +161,7 @@ def check_block(err: float, label: str, *, role: str, unfused_err: float | None,
     passed, applied = False, False
   elif role == "baseline":
     unfused_err = None
+  passed = passed and not math.isnan(err)  # A NaN output fails whatever its role.
   return {"max_rel_error": err, "reference": label, "unfused_max_rel_error": unfused_err,
           "ratio_to_unfused": ratio,
           "rule": f"ratio_to_unfused <= {max_error_ratio}" if role == "judged" else None,

@@ -1,6 +1,7 @@
 """experiments/matmul_rs_bench.py on CPU: flags, schema, smoke end to end."""
 import copy
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -75,6 +76,9 @@ def test_validate_record_accepts_good(bench):
   rec.update(status="unavailable: NotImplementedError: not built",
              timing=None, timer=None, check=None)
   bench.validate_record(rec)
+  rec = _good_record(bench)  # A NaN error, written as null, that failed its check.
+  rec["check"].update(max_rel_error=None, passed=False)
+  bench.validate_record(rec)
 
 
 @pytest.mark.parametrize("mutate, match", [
@@ -87,6 +91,7 @@ def test_validate_record_accepts_good(bench):
     (lambda r: r["timing"].update(iterations=3), "raw times"),
     (lambda r: r["timing"]["stats"].pop("p95"), "p95"),
     (lambda r: r["check"].update(max_rel_error=-1.0), "max_rel_error"),
+    (lambda r: r["check"].update(max_rel_error=None), "a NaN error\\) cannot pass"),
     (lambda r: r.update(status="unavailable: x"), "must not carry a timing"),
     (lambda r: r.update(timer="stopwatch"), "timer"),
 ])
@@ -233,6 +238,12 @@ def test_judged_record_without_unfused_error_is_not_a_pass(bench, harness):
   # With the unfused error present the same record is judged.
   good = harness.check_block(0.5, "ref", role="judged", unfused_err=1.0, max_error_ratio=1.1)
   assert good["rule_applied"] is True and good["passed"] is True
+  # A NaN output fails in every role, and its record (the error written as null) stays valid.
+  for role, unfused_err in (("judged", 1.0), ("unfused", None), ("baseline", None)):
+    nan = harness.check_block(math.nan, "ref", role=role, unfused_err=unfused_err,
+                              max_error_ratio=1.1)
+    assert nan["passed"] is False, role
+    bench.validate_record(bench.sanitize(dict(judged, check=nan)))
 
 
 # --- end to end -----------------------------------------------------------------
