@@ -275,7 +275,9 @@ def _abs_max(v):
   """max|v| in float32 (0 for an empty array), on device: with v = out - ref, the numerator of
   reference.max_rel_error_on_device; with v = ref, its denominator."""
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  return jnp.max(jnp.abs(v.astype(jnp.float32)), initial=0.0)
+  v = v.astype(jnp.float32)
+  # NaN if v holds one: a max over a sharded array can drop it (max_rel_error_on_device).
+  return jnp.where(jnp.any(jnp.isnan(v)), jnp.nan, jnp.max(jnp.abs(v), initial=0.0))
 
 
 def _rel_host(num, den) -> np.ndarray:

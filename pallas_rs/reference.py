@@ -110,7 +110,7 @@ def max_rel_error_on_device(out: jax.Array, ref: jax.Array) -> jax.Array:
   """`max_rel_error` where the arrays live, without copying them to the host.
 
   The same figure, `max|out - ref| / max|ref|` (0 when both are all-zero, inf when only `ref`
-  is), computed in float32: its own relative error (~1e-7) is far below bf16's rounding.
+  is, NaN where either holds a NaN), computed in float32: its own relative error (~1e-7) is far below bf16's rounding.
   Traceable; any sharding; returns a float32 scalar. For outputs too large or too many to
   copy (seed shapes on several GPUs, stress loops).
   """
@@ -118,10 +118,13 @@ def max_rel_error_on_device(out: jax.Array, ref: jax.Array) -> jax.Array:
   ref = jnp.asarray(ref).astype(jnp.float32)
   if out.shape != ref.shape:
     raise ValueError(f"{out.shape=} != {ref.shape=}")
-  num = jnp.max(jnp.abs(out - ref), initial=0.0)
+  diff = out - ref
+  num = jnp.max(jnp.abs(diff), initial=0.0)
   den = jnp.max(jnp.abs(ref), initial=0.0)
-  return jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0),
-                   jnp.where(num > 0, jnp.inf, 0.0))
+  err = jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), jnp.where(num > 0, jnp.inf, 0.0))
+  # A NaN anywhere gives NaN, as in max_rel_error: a max over a sharded array (its cross-device
+  # reduction) can drop a NaN (seen with 8 CPU devices), an any() cannot.
+  return jnp.where(jnp.any(jnp.isnan(diff)), jnp.nan, err)
 
 
 def loopback_matmul_reduce_scatter(xs: jax.Array, ws: jax.Array, *,

@@ -5,12 +5,14 @@ The fused kernel cannot run on a CPU, so the script's NVLink mode is driven with
 unfused baseline, the error rule, the trailing collective, the stress loop and the exit code.
 """
 import json
+import math
 
 import pytest
 
 import helpers
 
 STAND_INS = """
+import math
 def stand_in(x, w, *, axis_name, num_devices, config=None, unverified=False):
   out = reference.matmul_reduce_scatter(x, w, axis_name=axis_name)
   return out * {factor} if {factor} != 1 else out
@@ -27,7 +29,7 @@ def _run(tmp_path, factor):
 
 
 @pytest.mark.slow  # ~40 s per case on 2 CPU cores: the slow layer (tests/conftest.py).
-@pytest.mark.parametrize("factor,expect_ok", [(1, True), (1.01, False)])
+@pytest.mark.parametrize("factor,expect_ok", [(1, True), (1.01, False), ("math.nan", False)])
 def test_script_checks_what_it_runs(tmp_path, factor, expect_ok):
   proc, result = _run(tmp_path, factor)
   assert result is not None, proc.stderr[-2000:]
@@ -38,6 +40,9 @@ def test_script_checks_what_it_runs(tmp_path, factor, expect_ok):
   assert all(r["ok"] for r in rows) is expect_ok, rows
   assert (result["stress"]["failures"] == 0) is expect_ok
   assert (proc.returncode == 0) is expect_ok, proc.stderr[-2000:]
+  worst = result["stress"]["worst_ratio"]
+  if factor == "math.nan":  # A NaN output is the worst ratio (NaN, or null in the JSON).
+    assert worst is None or math.isnan(worst), worst
 
 
 CONFIG_STAND_IN = """

@@ -1043,6 +1043,13 @@ def test_script_nan_errors_break_the_rule_not_keep_it():
     bad = rows[-1]
     assert bad["num_nan_ratio"] == 1 and bad["num_over_bound"] == 1 and bad["worst_seed"] == 7
     assert bad["max"] > nm.RULE_BOUND
+    # The on-device maxima behind those errors keep a NaN of a sharded output.
+    import jax  # pylint: disable=g-import-not-at-top
+    from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+    v = np.zeros((64, 4), np.float32)
+    v[5, 2] = np.nan
+    v = jax.device_put(v, NamedSharding(jax.make_mesh((8,), ("x",)), P("x")))
+    assert np.isnan(float(jax.jit(mod._abs_max)(v)))
     assert all(r["num_nan_ratio"] == 0 and r["max"] == 1.0 for r in rows[:-1])
   finally:
     helpers.forget_scripts("numerics")

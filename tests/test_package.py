@@ -106,6 +106,20 @@ def test_max_rel_error_on_device_is_the_same_figure():
     reference.max_rel_error_on_device(np.ones(2), np.ones(3))
 
 
+def test_max_rel_error_on_device_keeps_a_nan_of_a_sharded_output():
+  """A max over a sharded array dropped a NaN on one shard (8 CPU devices): the error was 0."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  mesh = jax.make_mesh((8,), ("x",))
+  ref = np.ones((64, 4), np.float32)
+  for row in (3, 60):
+    out = ref.copy()
+    out[row, 1] = np.nan
+    out = jax.device_put(out, NamedSharding(mesh, P("x")))
+    assert np.isnan(float(jax.jit(reference.max_rel_error_on_device)(out, ref))), row
+    assert np.isnan(reference.max_rel_error(out, ref))
+
+
 def _import_graph():
   """{module: modules of pallas_rs it imports (lazy imports included)}, by dotted name relative
   to the package ("api", "kernel.fused", "tuning" for tuning/__init__.py), and their sizes."""
