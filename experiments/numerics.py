@@ -276,8 +276,9 @@ def _abs_max(v):
   reference.max_rel_error_on_device; with v = ref, its denominator."""
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   v = v.astype(jnp.float32)
-  # NaN if v holds one: a max over a sharded array can drop it (max_rel_error_on_device).
-  return jnp.where(jnp.any(jnp.isnan(v)), jnp.nan, jnp.max(jnp.abs(v), initial=0.0))
+  # A NaN in v gives inf (an unbounded error): a max across devices (the pmax that follows it,
+  # or a sharded array's reduction) can drop a NaN (max_rel_error_on_device), not an inf.
+  return jnp.where(jnp.any(jnp.isnan(v)), jnp.inf, jnp.max(jnp.abs(v), initial=0.0))
 
 
 def _rel_host(num, den) -> np.ndarray:
