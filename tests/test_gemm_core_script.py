@@ -20,18 +20,25 @@ mod.jax_matmul = lambda hm, cfg: (
 """
 
 
-@pytest.mark.slow  # ~6 s on 2 CPU cores: the slow layer (tests/conftest.py), like ablate's.
-def test_gemm_core_script_plumbing(tmp_path):
+def _run(tmp_path, jax_configs, stand_ins):
+  """gemm_core.py on Mixtral o_proj at D = 8, M = 512 with our table / t64x256_wm / t128x128
+  configs and `jax_configs`: (the process, its one JSON row)."""
   out = tmp_path / "gemm_core.json"
-  # (The default at D = 8, M = 512 is already 128 x 192 along M: a variant equal to the base
-  # is dropped as the same kernel, so the variant here is 128 x 256 along M.)
   proc = helpers.run_script_with_stand_ins(
       "gemm_core.py", ["--projections=mixtral8x22b_o_proj", "--ms=512", "--ds=8",
-                       "--ours=table,t64x256_wm,t128x128", "--jax=64x192_M_-,128x128_N_M",
+                       "--ours=table,t64x256_wm,t128x128", f"--jax={jax_configs}",
                        "--iterations=2", f"--out={out}"],
-      stand_ins=STAND_INS, after_load=AFTER_LOAD)
+      stand_ins=stand_ins, after_load=AFTER_LOAD)
   assert proc.returncode == 0, proc.stderr[-3000:]
   (row,) = json.loads(out.read_text())["rows"]
+  return proc, row
+
+
+@pytest.mark.slow  # ~6 s on 2 CPU cores: the slow layer (tests/conftest.py), like ablate's.
+def test_gemm_core_script_plumbing(tmp_path):
+  # (The default at D = 8, M = 512 is already 128 x 192 along M: a variant equal to the base
+  # is dropped as the same kernel, so the variant here is 128 x 256 along M.)
+  proc, row = _run(tmp_path, "64x192_M_-,128x128_N_M", STAND_INS)
   assert (row["name"], row["d"], row["k_shard"], row["n"]) == ("mixtral8x22b_o_proj_m512", 8,
                                                                  768, 6144)
   assert "wg_dimension=M" in row["configs"]["ours:t64x256_wm"]
@@ -67,14 +74,7 @@ fused.local_matmul = local_stand_in
 
 @pytest.mark.slow  # ~6 s on 2 CPU cores: the slow layer (tests/conftest.py).
 def test_gemm_core_best_is_never_a_config_that_failed_its_check(tmp_path):
-  out = tmp_path / "gemm_core.json"
-  proc = helpers.run_script_with_stand_ins(
-      "gemm_core.py", ["--projections=mixtral8x22b_o_proj", "--ms=512", "--ds=8",
-                       "--ours=table,t64x256_wm,t128x128", "--jax=64x192_M_-",
-                       "--iterations=2", f"--out={out}"],
-      stand_ins=WRONG_FAST_STAND_IN, after_load=AFTER_LOAD)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  (row,) = json.loads(out.read_text())["rows"]
+  proc, row = _run(tmp_path, "64x192_M_-", WRONG_FAST_STAND_IN)
   assert row["max_rel_error"]["ours:t64x256_wm"] == 1.0  # all zeros
   # It is the fastest of ours (zeros), and the table must not call it the best.
   med = {k: sorted(v)[0] for k, v in row["times_us"].items() if k.startswith("ours:")}
