@@ -272,8 +272,9 @@ def _bits_same(a, b):
 
 
 def _abs_max(v):
-  """max|v| in float32 (0 for an empty array), on device: with v = out - ref, the numerator of
-  reference.max_rel_error_on_device; with v = ref, its denominator."""
+  """max|v| in float32 (0 for an empty array, inf where v holds a NaN), on device: with
+  v = out - ref, the numerator of reference.max_rel_error_on_device; with v = ref, its
+  denominator."""
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   v = v.astype(jnp.float32)
   # A NaN in v gives inf (an unbounded error): a max across devices (the pmax that follows it,

@@ -110,7 +110,8 @@ def max_rel_error_on_device(out: jax.Array, ref: jax.Array) -> jax.Array:
   """`max_rel_error` where the arrays live, without copying them to the host.
 
   The same figure, `max|out - ref| / max|ref|` (0 when both are all-zero, inf when only `ref`
-  is, NaN where either holds a NaN), computed in float32: its own relative error (~1e-7) is far below bf16's rounding.
+  is, NaN where either holds a NaN), computed in float32: its own relative error (~1e-7) is
+  far below bf16's rounding.
   Traceable; any sharding; returns a float32 scalar. For outputs too large or too many to
   copy (seed shapes on several GPUs, stress loops).
   """

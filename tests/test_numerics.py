@@ -1045,10 +1045,11 @@ def test_script_nan_errors_break_the_rule_not_keep_it():
     assert bad["max"] > nm.RULE_BOUND
     # The on-device maxima behind those errors keep a NaN of a sharded output.
     import jax  # pylint: disable=g-import-not-at-top
-    from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+    sharding = jax.sharding.NamedSharding(jax.make_mesh((8,), ("x",)),
+                                          jax.sharding.PartitionSpec("x"))
     v = np.zeros((64, 4), np.float32)
     v[5, 2] = np.nan
-    v = jax.device_put(v, NamedSharding(jax.make_mesh((8,), ("x",)), P("x")))
+    v = jax.device_put(v, sharding)
     assert float(jax.jit(mod._abs_max)(v)) == np.inf
     assert all(r["num_nan_ratio"] == 0 and r["max"] == 1.0 for r in rows[:-1])
   finally:
