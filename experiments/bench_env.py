@@ -186,6 +186,12 @@ def write_json(path: Path, obj, *, allow_nan: bool = True) -> None:
   tmp.replace(path)
 
 
+def worse(worst: float, ratio: float) -> float:
+  """The larger of two error ratios for a running worst; a NaN (a NaN error) is the worst
+  and stays (max() would pass it over)."""
+  return worst if math.isnan(worst) or ratio <= worst else ratio
+
+
 def fmt(value, spec: str = ".2f") -> str:
   """`value` formatted with `spec` for a table cell; "-" for None."""
   return "-" if value is None else format(value, spec)

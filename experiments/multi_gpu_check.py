@@ -21,7 +21,6 @@ from __future__ import annotations
 import faulthandler
 import functools
 import json
-import math
 import os
 from pathlib import Path
 import sys
@@ -196,8 +195,7 @@ def main(_):
   for i in range(_STRESS.value):
     m, n, k = shapes[i % 2]
     r = run_one(d, m, n, k, seed=10_000 + i, mode=mode)
-    if not (math.isnan(worst) or r["ratio"] <= worst):  # A NaN ratio is the worst, and kept.
-      worst = r["ratio"]
+    worst = bench_env.worse(worst, r["ratio"])
     if not r["ok"]:
       bad.append(r)
   stress = dict(check="stress", d=d, mode=mode, calls=_STRESS.value, shapes=shapes,
