@@ -22,7 +22,9 @@ ablations without communication only; XLA's dot of that rank's GEMM as the basel
 
   ... ablate.py --alone --num_devices=8 --names=llama70b_o_proj_m512 --ablations=no_comm,neither
 
-Only the unablated kernel's output is checked (the ablated ones are wrong by construction).
+Only the unablated kernel's output is checked (the ablated ones are wrong by construction),
+against the error rule (max relative error <= 1.1x the unfused path's): exit code 1 if any
+breaks it.
 """
 from __future__ import annotations
 
@@ -164,8 +166,12 @@ def main(argv):
       row["times_us"][label] = t.times_us
       row.setdefault("timer", t.timer)
     for label in fns:
-      if label.endswith("fused"):  # every unablated kernel's output is checked
-        row.setdefault("max_rel_error", {})[label] = check(fns[label](*args))
+      if label.endswith("fused"):  # every unablated kernel's output is judged by the rule
+        row.setdefault("max_rel_error", {})[label] = err = check(fns[label](*args))
+        if "unfused_max_rel_error" not in row:
+          row["unfused_max_rel_error"] = check(fns["xla_seq"](*args))
+        row.setdefault("rule_holds", {})[label] = bench_env.rule_holds(
+            err, row["unfused_max_rel_error"])
       cfg = cfgs.get(label)  # (None for XLA's baselines)
       if cfg is not None and label.rpartition(":")[2].startswith("moves") and cfg.comm_ctas:
         # The bytes one rank's comm CTAs move.
@@ -186,7 +192,16 @@ def main(argv):
       cname, _, variant = label.rpartition(":")
       print(f"{r['name']:32} {r['d']:>2} {cname or ('-' if label.startswith('xla') else 'table'):>10} "
             f"{variant:>10} {t:9.1f} {t / med['xla_gemm']:10.3f}")
+  checked = [(r["name"], label) for r in rows for label, ok in r.get("rule_holds", {}).items()]
+  broken = [(r["name"], label) for r in rows for label, ok in r.get("rule_holds", {}).items()
+            if not ok]
+  if checked:
+    print(f"error rule (<= {bench_env.MAX_ERROR_RATIO} x the unfused path's): "
+          f"{len(broken)} of {len(checked)} kernel outputs broke it{': ' if broken else ''}"
+          + ", ".join(f"{name} {label}" for name, label in broken))
   print("wrote", out)
+  if broken:
+    sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ only if its median beats XLA's (by --margin). Entries are merged into --table
 from __future__ import annotations
 
 import functools
+import math
 from pathlib import Path
 import sys
 import time
@@ -169,6 +170,17 @@ def time_candidate(label: str, fn, args, ref, *, num_devices: int,
   return rec
 
 
+def _baseline(rec: dict[str, Any]) -> dict[str, Any]:
+  """XLA's record, which every candidate is judged against and timed beside: a RuntimeError
+  naming the case if it did not run or its error is not finite (nothing could be judged)."""
+  if rec.get("status") != "ok" or not math.isfinite(rec.get("max_rel_error", math.nan)):
+    raise RuntimeError(f"the XLA baseline {rec['label']!r} gave no usable result "
+                       f"(status {rec.get('status')!r}: "
+                       f"{rec.get('error') or rec.get('max_rel_error')!r}): no candidate can be "
+                       "judged against it")
+  return rec
+
+
 def _best(recs, margin: float = 0.0):
   """The fastest candidate, unless it beats the first one (the incumbent: the default or the
   table's config) by no more than `margin`: then the incumbent (a win within the run-to-run
@@ -230,7 +242,7 @@ def tune_single_gpu(case, env) -> tuple[list[dict], list[dict]]:
       a, b, preferred_element_type=jnp.float32).astype(a.dtype))
   records = [time_candidate("xla_dot", xla_fn, (x, w), ref, num_devices=1,
                             xla_err=None)]
-  xla = records[0]
+  xla = _baseline(records[0])
   xla_err = xla["max_rel_error"]
   for cfg in candidates.candidate_configs(m=m, n=n, k_shard=k_shard, num_devices=1,
                                       max_configs=FLAGS.max_configs):
@@ -293,8 +305,8 @@ def tune_loopback(case, ranked, env):
     p = partials(a, b).astype(a.dtype).reshape(d, d, m // d, n)
     return p.astype(jnp.float32).sum(0).astype(a.dtype)
 
-  recs = [time_candidate("loopback_xla", xla_ref, (xs, ws), ref, num_devices=1,
-                         xla_err=None)]
+  recs = [_baseline(time_candidate("loopback_xla", xla_ref, (xs, ws), ref, num_devices=1,
+                                   xla_err=None))]
   for cfg in cfgs:
     fn = jax.jit(functools.partial(fused.loopback_matmul_reduce_scatter, config=cfg))
     recs.append(time_candidate("loopback_fused", fn, (xs, ws), ref,
@@ -352,7 +364,7 @@ def tune_multi_gpu(case, env) -> tuple[list[dict], list[dict]]:
   seq = smap(functools.partial(reference.matmul_reduce_scatter, axis_name=AXIS))
   records = [time_candidate("xla_seq", seq, (x, w), ref, num_devices=d,
                             xla_err=None)]
-  xla = records[0]
+  xla = _baseline(records[0])
   for cfg in multi_gpu_candidates(m=m, n=n, k_shard=k_shard, d=d):
     fn = smap(functools.partial(fused.fused_matmul_reduce_scatter, axis_name=AXIS,
                                 num_devices=d, config=cfg))
@@ -467,7 +479,8 @@ def tune_ag_multi_gpu(case, env) -> tuple[list[dict], list[dict]]:
 
   xla_fn = smap(functools.partial(reference.all_gather_matmul, axis_name=AXIS))
   ref = xla_fn(lhs.astype(jnp.float32), rhs.astype(jnp.float32))
-  records = [time_candidate("ag_xla", xla_fn, (lhs, rhs), ref, num_devices=d, xla_err=None)]
+  records = [_baseline(time_candidate("ag_xla", xla_fn, (lhs, rhs), ref, num_devices=d,
+                                      xla_err=None))]
   for cfg in cfgs:  # The kernel's default first: the incumbent of the margin rule.
     fused_fn = smap(functools.partial(ag_matmul.fused_all_gather_matmul, axis_name=AXIS,
                                       config=cfg, out_dtype=jnp.bfloat16))

@@ -186,6 +186,16 @@ def write_json(path: Path, obj, *, allow_nan: bool = True) -> None:
   tmp.replace(path)
 
 
+# The seed's error rule (docs/design.md section 2): the fused output's max relative error at
+# most this many times the unfused path's on the same inputs.
+MAX_ERROR_RATIO = 1.1
+
+
+def rule_holds(err: float, err_unfused: float, max_ratio: float = MAX_ERROR_RATIO) -> bool:
+  """The error rule; False where either error is NaN (a NaN output is never correct)."""
+  return bool(err <= max_ratio * err_unfused)
+
+
 def worse(worst: float, ratio: float) -> float:
   """The larger of two error ratios for a running worst; a NaN (a NaN error) is the worst
   and stays (max() would pass it over)."""

@@ -55,7 +55,7 @@ def check(d, m, n, k, seed, config=None):
   e_f, e_x = reference.max_rel_error(out, ref), reference.max_rel_error(base, ref)
   nan = bool(np.isnan(np.asarray(out.astype(jnp.float32))).any())
   return dict(d=d, m=m, n=n, k=k, err_fused=e_f, err_xla=e_x, ratio=e_f / e_x, nan=nan,
-              ok=(not nan) and e_f <= 1.1 * e_x)
+              ok=(not nan) and bench_env.rule_holds(e_f, e_x))
 
 
 def run_correct():
@@ -145,7 +145,7 @@ def run_stress():
     out = fns[shape](xs, ws)
     e_f, e_x = (float(e) for e in _errors(out, _xla_loopback(xs, ws), xs, ws))
     worst = bench_env.worse(worst, e_f / e_x)
-    if not e_f <= 1.1 * e_x:
+    if not bench_env.rule_holds(e_f, e_x):
       bad += 1
   return [dict(check="stress", calls=_STRESS_CALLS.value, shapes=shapes, bad=bad,
                worst_ratio=worst, seconds=round(time.time() - t, 1))]

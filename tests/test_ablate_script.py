@@ -9,7 +9,9 @@ import helpers
 STAND_INS = """
 def stand_in(x, w, *, axis_name, num_devices, config=None, ablate=(), unverified=False):
   out = reference.matmul_reduce_scatter(x, w, axis_name=axis_name)
-  return out * 0 if ablate else out  # ablated variants are wrong by construction
+  if ablate:
+    return out * 0  # ablated variants are wrong by construction
+  return out * 1.0625 if config.comm_ctas == 4 else out  # one wrong kernel: the rule fails it
 fused.fused_matmul_reduce_scatter = stand_in
 """
 
@@ -21,7 +23,9 @@ def test_ablate_script_plumbing(tmp_path):
       "ablate.py", ["--names=llama70b_o_proj_m512", "--iterations=2", f"--out={out}",
                     "--configs=table,t64x128,c4", "--ablations=fused,neither,moves"],
       stand_ins=STAND_INS, after_load="mod.require_gpu = lambda jax: None")
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.returncode == 1, proc.stderr[-3000:]  # the wrong kernel
+  assert ("1 of 3 kernel outputs broke it: llama70b_o_proj_m512 c4:fused"
+          in proc.stdout), proc.stdout[-3000:]
   result = json.loads(out.read_text())
   (row,) = result["rows"]
   assert row["d"] == 8 and row["transport"] == "nvlink"
@@ -31,7 +35,10 @@ def test_ablate_script_plumbing(tmp_path):
   assert all(len(v) == 2 and min(v) > 0 for v in row["times_us"].values())
   # Every unablated kernel is checked (bf16 output of the stand-in).
   assert set(row["max_rel_error"]) == {"fused", "t64x128:fused", "c4:fused"}
-  assert max(row["max_rel_error"].values()) < 2.0**-7
+  assert row["rule_holds"] == {"fused": True, "t64x128:fused": True, "c4:fused": False}
+  assert 0 < row["unfused_max_rel_error"] < 2.0**-7
+  assert row["max_rel_error"]["c4:fused"] > 1.1 * row["unfused_max_rel_error"]
+  assert max(row["max_rel_error"][k] for k in ("fused", "t64x128:fused")) < 2.0**-7
   # The comm CTAs' rate: the bytes one rank's 4 comm CTAs move (7 of 8 bf16 chunks of
   # 64 x 8192) over the median "moves" time, per CTA; none for configs without comm CTAs.
   (rate,) = row["comm_gbps_per_cta"].items()

@@ -742,6 +742,24 @@ def test_autotune_keeps_the_incumbent_within_the_margin():
     helpers.forget_scripts("autotune")
 
 
+def test_autotune_stops_on_a_baseline_it_cannot_judge_against():
+  # Every candidate is judged against XLA's record (its error) and its entry compares their
+  # times: a baseline that did not run or has no finite error stops the case with its reason
+  # (it used to be a KeyError deep in the tuner, or every candidate "wrong" on a NaN).
+  import helpers  # pylint: disable=g-import-not-at-top
+  autotune = helpers.load_script("autotune")
+  try:
+    good = {"label": "xla_seq", "status": "ok", "max_rel_error": 0.004, "times_us": [1.0]}
+    assert autotune._baseline(good) is good  # pylint: disable=protected-access
+    for bad, says in ((dict(good, status="smem", error="out of SMEM"), "out of SMEM"),
+                      (dict(good, max_rel_error=float("nan")), "nan"),
+                      ({"label": "xla_seq", "status": "not_implemented", "error": "no"}, "no")):
+      with pytest.raises(RuntimeError, match=f"'xla_seq' gave no usable result.*{says}"):
+        autotune._baseline(bad)  # pylint: disable=protected-access
+  finally:
+    helpers.forget_scripts("autotune")
+
+
 def test_a_pull_entry_falls_back_to_its_measured_push_config(monkeypatch):
   # Pulling comm CTAs need remote TMA loads (jax >= 0.11.2 on devices); the entry's fallback,
   # measured faster than XLA in the same run, runs where they cannot.
