@@ -116,9 +116,9 @@ def _loopback_pair(x, w, d, config=None):
   source order, the emulation's default, differs from it at D > 2 by up to ~1.3x in error)."""
   m, n = x.shape[0], w.shape[1]
   xs, ws = testing.split_inputs(x, w, d)
-  order = "ring" if config is not None and config.numerics == "unfused_order" else "source"
   return (fused.loopback_matmul_reduce_scatter(xs, ws, config=config).reshape(m, n),
-          reference.loopback_matmul_reduce_scatter(xs, ws, order=order).reshape(m, n))
+          reference.loopback_matmul_reduce_scatter(
+              xs, ws, order=testing.unfused_order(config)).reshape(m, n))
 
 
 def run_one(d, m, n, k, seed, mode):

@@ -3,8 +3,9 @@
   NCCL_NVLS_ENABLE=0 PYTHONPATH=. python experiments/overlap_probe.py --what=check,time
 
 "check": every config variant (direct push v1, comm CTAs, fp32 partials) against an fp32
-reference and the unfused path, at D = the visible GPUs (NVLink) and in loopback at D = 2, 4, 8
-on one GPU; each run twice (bit-determinism), and every bf16-partial variant bit-compared
+reference and the unfused path (in loopback its emulation, summed in the order the variant's
+numerics copies: testing.unfused_order), at D = the visible GPUs (NVLink) and in loopback at
+D = 2, 4, 8 on one GPU; each run twice (bit-determinism), and every bf16-partial variant bit-compared
 with v1 (same arithmetic, other transport: the bits must agree); exit code 1 if a check
 fails (the error rule, determinism or those bits).
 "time": per shape, XLA's dot (T_gemm), psum_scatter alone (T_comm), dot + psum_scatter
@@ -126,7 +127,7 @@ def main(argv):
       else:
         args = testing.stacked_inputs(m + n + d, d, m, k_shard, n)
         ref = testing.stacked_reference(*args)
-        check_unfused = jax.jit(reference.loopback_matmul_reduce_scatter)
+        check_unfused = None  # per variant: the order its numerics copies
         get = lambda o: np.asarray(jax.device_get(o).astype(np.float32))
       base = defaults.default_config(m=m, n=n, k_shard=k_shard, num_devices=d)
       outs = {}
@@ -142,7 +143,9 @@ def main(argv):
           a = get(fn(*args))
           b = get(fn(*args))
           err = reference.max_rel_error(a, ref)
-          unfused_out = get(check_unfused(*args))
+          unfused_fn = check_unfused or jax.jit(functools.partial(
+              reference.loopback_matmul_reduce_scatter, order=testing.unfused_order(cfg)))
+          unfused_out = get(unfused_fn(*args))
           err_unfused = reference.max_rel_error(unfused_out, ref)
           row = dict(transport=transport, d=d, m=m, n=n, k_shard=k_shard, variant=name,
                      config=tuning.config_to_json(cfg),

@@ -95,3 +95,14 @@ def test_loopback_baseline_rounds_like_a_bf16_reduce_scatter():
   exact = testing.stacked_reference(xs, ws)
   once = bf16(exact)
   assert np.abs(got - exact).max() > np.abs(once - exact).max()
+
+
+def test_unfused_order_follows_the_numerics_a_config_copies():
+  from pallas_rs.kernel import config as config_lib  # pylint: disable=g-import-not-at-top
+  assert testing.unfused_order(None) == "source"
+  for numerics, order in (("unfused_order", "ring"), ("bf16_partials", "source"),
+                          ("fp32_partials", "source")):
+    partial_dtype, owner_sum = config_lib.NUMERICS_MODES[numerics]
+    cfg = config_lib.Config(partial_dtype=partial_dtype, owner_sum=owner_sum,
+                            epi_tile_n=32 if partial_dtype == "float32" else 64)
+    assert cfg.numerics == numerics and testing.unfused_order(cfg) == order

@@ -137,6 +137,16 @@ def stacked_reference(xs, ws) -> np.ndarray:
   return full.reshape(d, m // d, -1)
 
 
+def unfused_order(config) -> str:
+  """The order in which the loopback emulation of the unfused path
+  (`reference.loopback_matmul_reduce_scatter`) sums, to judge `config` by the error rule: NCCL's
+  ring order for a config in the ring's numerics ("unfused_order", which copies it bit for
+  bit), else source order. At D > 2 the two orders' errors differ by up to ~1.3x on one input,
+  so a ring config judged against source order can break the rule with the unfused path's own
+  arithmetic (BUILD_NOTES 2026-12-01 twelfth session, 2026-12-02 fourteenth)."""
+  return "ring" if config is not None and config.numerics == "unfused_order" else "source"
+
+
 @jax.jit
 def device_reference(xs, ws) -> jax.Array:
   """`stacked_reference` on the device, in float32 (HIGHEST precision): [D, m // D, n].
