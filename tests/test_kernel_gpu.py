@@ -192,6 +192,22 @@ def test_pairs_of_64_row_chunks(d, n, k_shard, numerics):
         _unfused_ring(xs, ws), ref), call
 
 
+# The same pairs with the warpgroups side by side along N (128 x 128 warpgroup tiles over both
+# chunks, a destination per 64-row half: the D > 2 default, since NVLink refuses the M split
+# without the TMA add): every output bit as with the M split and as with 64-row CTA tiles (the
+# same products and sums, other hands), every numerics mode, three fresh inputs each.
+@pytest.mark.parametrize("numerics", list(config_lib.NUMERICS_MODES))
+@pytest.mark.parametrize("d,n,k_shard", [(2, 1024, 512), (4, 1536, 512), (8, 8192, 1024)])
+def test_pairs_split_along_n_change_no_bit(d, n, k_shard, numerics):
+  m = 64 * d
+  make = lambda **kw: config_lib.fit_smem(config_lib.with_numerics(
+      config_lib.Config(**kw), numerics, d), d)
+  cfgs = [make(tile_m=128, tile_n=128), make(tile_m=64, tile_n=256, wg_dimension=_WG_M),
+          make(tile_m=64, tile_n=128)]
+  assert [c.chunk_group(m, d) for c in cfgs] == [2, 2, 1]
+  _same_bits(cfgs, d, m, n, k_shard, seed=15000 + 10 * d + len(numerics))
+
+
 # tma_add (D = 2, the ring's numerics): the peer's partial lands in the owner's output and the
 # owner TMA-adds its own, rounded to bf16, onto it: the owner's epilogue's arithmetic, so every
 # output bit must agree with it (an add issued before the peer's partial landed, or a partial
@@ -433,15 +449,18 @@ def test_tma_add_back_to_back_calls():
     helpers.assert_same_bits(*(f(xs, ws) for f in fns[m]), call)
 
 
-def test_pairs_back_to_back_calls():
-  # Pairs at D = 8 and D = 4 (the summing warpgroup uses both warpgroups' receive stages):
-  # 60 calls alternating the two, fresh inputs each, the error rule every call and the same
-  # inputs twice every 10th call (a race moves the bits).
+@pytest.mark.parametrize("split", ["M", "N"])
+def test_pairs_back_to_back_calls(split):
+  # Pairs at D = 8 and D = 4 (along M the summing warpgroup uses both warpgroups' receive
+  # stages; along N each warpgroup sends one half and sums the other): 60 calls alternating
+  # the two, fresh inputs each, the error rule every call and the same inputs twice every 10th
+  # call (a race moves the bits).
   fns = {}
   for d, n, k_shard in ((8, 2048, 512), (4, 1536, 512)):
-    cfg = config_lib.fit_smem(config_lib.with_numerics(config_lib.Config(
-        tile_m=64, tile_n=256 if n % 256 == 0 else 192, wg_dimension=_WG_M),
-        defaults.default_numerics(d), d), d)
+    tiles = (dict(tile_m=64, tile_n=256 if n % 256 == 0 else 192, wg_dimension=_WG_M)
+             if split == "M" else dict(tile_m=128, tile_n=128))
+    cfg = config_lib.fit_smem(config_lib.with_numerics(config_lib.Config(**tiles),
+                                                       defaults.default_numerics(d), d), d)
     assert cfg.chunk_group(64 * d, d) == 2
     fns[d] = (jax.jit(functools.partial(fused.loopback_matmul_reduce_scatter, config=cfg)),
               n, k_shard)

@@ -41,18 +41,23 @@ def test_local_matmul_interpret(cfg, m, k, n):
 
 
 # One rank of D alone, the "neither" ablation: its output is its own chunk's partial, x[chunk] @ w,
-# written by the D > 1 tile walk (the own chunk last). D = 4 with 64-row chunks and the
-# warpgroups along M is the pairs walk (a CTA tile over two ranks' chunks, each warpgroup its
-# own destination; rank 3's own chunk shares a tile with rank 2's).
-@pytest.mark.parametrize("d,rank,cfg", [
-    (4, 3, config_lib.Config(tile_m=64, tile_n=64, wg_dimension=M.M, max_concurrent_steps=2,
-                             num_sms=3)),
+# written by the D > 1 tile walk (the own chunk last). D = 4 with 64-row chunks under 128-row
+# CTA tiles is the pairs walk (a CTA tile over two ranks' chunks; rank 3's own chunk shares a
+# tile with rank 2's): along M each warpgroup's tile is one destination's, along N each
+# warpgroup's tile has two, one per 64-row half (ranks 0 and 1 give the other half). (n = 256
+# there: a grid one CTA tile wide crashes the CPU interpreter in jax's planar_snake, whose
+# unused partial-band branch takes a remainder by zero.)
+@pytest.mark.parametrize("d,rank,n,cfg", [
+    (4, 3, 128, config_lib.Config(tile_m=64, tile_n=64, wg_dimension=M.M,
+                                  max_concurrent_steps=2, num_sms=3)),
+    (4, 3, 256, config_lib.Config(tile_m=128, tile_n=64, max_concurrent_steps=2, num_sms=3)),
+    (4, 0, 256, config_lib.Config(tile_m=128, tile_n=64, max_concurrent_steps=2, num_sms=2)),
     # ~12 s in interpret mode on 2 CPU cores: the slow layer (tests/conftest.py).
-    pytest.param(2, 1, config_lib.Config(tile_m=64, tile_n=64, max_concurrent_steps=2, num_sms=3),
-                 marks=pytest.mark.slow),
+    pytest.param(2, 1, 128, config_lib.Config(tile_m=64, tile_n=64, max_concurrent_steps=2,
+                                              num_sms=3), marks=pytest.mark.slow),
 ])
-def test_rank_alone_gemm_core_interpret(d, rank, cfg):
-  m, k, n = 256, 64, 128
+def test_rank_alone_gemm_core_interpret(d, rank, n, cfg):
+  m, k = 256, 64
   x, w = testing.generate(rank + 10 * d, m, k, n)
   assert cfg.chunk_group(m, d) == (2 if d == 4 else 1)
   params = interpret.InterpretGPUParams(uninitialized_memory="nan")

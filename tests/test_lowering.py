@@ -578,8 +578,8 @@ def test_warpgroups_along_m_lower(d, comm):
 @pytest.mark.parametrize("d", [2, pytest.param(4, marks=pytest.mark.slow), 8])
 def test_pairs_lower(d):
   # 64-row chunks under a 128-row CTA tile (schedule.chunk_group 2), in loopback at D = 2/4/8,
-  # and at D = 8 under shard_map, where NVLink refuses them unless asked (no TMA add beyond
-  # D = 2: fused.nvlink_unverified), so the D = 8 default is no longer pairs.
+  # and at D = 8 under shard_map, where NVLink refuses the M split unless asked (no TMA add
+  # beyond D = 2: fused.nvlink_unverified), so the D = 8 default's pairs split along N.
   cfg = config_lib.fit_smem(config_lib.with_numerics(config_lib.Config(
       tile_m=64, tile_n=256, wg_dimension=config_lib.MatmulDimension.M),
       defaults.default_numerics(d), d), d)
@@ -589,8 +589,9 @@ def test_pairs_lower(d):
                     platforms=["cuda"])(xs, ws)
   if d == 8:
     default = defaults.default_config(m=512, n=8192, k_shard=1024, num_devices=8)
-    assert default.chunk_group(512, 8) == 1
+    assert default.chunk_group(512, 8) == 2
     assert default.wg_dimension == config_lib.MatmulDimension.N
+    _export_shard_map(512, 8192, 8192, 8, config=default)
     with pytest.raises(NotImplementedError, match="along M without the TMA add"):
       _export_shard_map(512, 8192, 8192, 8, config=cfg)
     _export_shard_map(512, 8192, 8192, 8, config=cfg, unverified=True)

@@ -143,7 +143,7 @@ def test_interleaved_walk_is_the_default_for_one_row_chunks():
   for (d, m), want in cases.items():
     cfg = defaults.default_config(m=m, n=8192, k_shard=1024, num_devices=d)
     assert cfg.interleave_steps == want, (d, m, cfg)
-    assert want == (m // d == cfg.cta_tile_m)
+    assert want == (cfg.chunk_group(m, d) * m // d == cfg.cta_tile_m)  # one row per step
 
 
 @pytest.mark.parametrize("grid", [(8, 8), (5, 7), (64, 32), (3, 24), (1, 32)])

@@ -114,9 +114,13 @@ def test_heuristic_nearest_m_in_log_distance():
   assert _choose(4096, table=table, d=4).source == "default"
 
 
+# A 256-row CTA tile (128 x 128 warpgroup tiles stacked along M): it tiles m = 8192 at D = 8
+# (1024-row chunks), not m = 512 (64-row chunks take CTA tiles of 64 rows, or 128 as pairs).
+_BIG = config_lib.Config(tile_m=128, tile_n=128, wg_dimension=config_lib.MatmulDimension.M)
+
+
 def test_heuristic_revalidates_config_and_falls_through():
-  # tile_m=128 measured at m=8192 (chunk 1024) cannot tile m=512 (chunk 64).
-  big = config_lib.Config(tile_m=128, tile_n=128)
+  big = _BIG
   d = _choose(512, table=_table(_entry(8192, cfg=big)))
   assert (d.implementation, d.source) == ("xla", "default")
   assert "does not fit" in d.reason
@@ -125,7 +129,7 @@ def test_heuristic_revalidates_config_and_falls_through():
 
 
 def test_exact_entry_with_unfit_config_falls_through_to_heuristic():
-  big = config_lib.Config(tile_m=128, tile_n=128)
+  big = _BIG
   ok = config_lib.Config(tile_m=64, tile_n=128)
   table = _table(_entry(512, cfg=big), _entry(1024, cfg=ok))
   d = _choose(512, table=table)
@@ -168,10 +172,9 @@ def test_explicit_config_overrides():
   cfg = config_lib.Config(tile_m=64, tile_n=64)
   dec = _choose(4096, table=tuning.empty_table(), config=cfg)
   assert (dec.implementation, dec.config, dec.source) == ("fused", cfg, "override")
-  big = config_lib.Config(tile_m=128)
-  dec = _choose(512, table=tuning.empty_table(), config=big)
+  dec = _choose(512, table=tuning.empty_table(), config=_BIG)
   assert (dec.implementation, dec.config) == ("xla", None)
-  assert "tile_m=128" in dec.reason  # the kernel's own reason
+  assert "256 rows (tile_m=128" in dec.reason  # the kernel's own reason
 
 
 # ---------------------------------------------------------------------------
@@ -401,8 +404,8 @@ def test_api_auto_consults_table(monkeypatch):
     # Explicit config + auto: fused with it where supported (table skipped).
     mine = config_lib.Config(tile_m=128, tile_n=64)
     assert _auto(32768, config=mine) == ("fused", mine, None)
-    # ... and the kernel's own NotImplementedError still falls back.
-    impl, _, reason = _auto(512, config=mine)
+    # ... and the kernel's own NotImplementedError still falls back (32-row chunks).
+    impl, _, reason = _auto(256, config=mine)
     assert impl == "xla" and "tile_m=128" in reason
   impl, _, reason = _auto(4096)                           # packaged: empty
   assert impl == "xla" and "no measurement" in reason
@@ -687,11 +690,13 @@ def test_default_tiles_follow_the_wave_model():
   assert (cfg(512, 6144, 2).cta_tile_m, cfg(512, 6144, 2).cta_tile_n) == (128, 192)
   assert (cfg(2048, 6144, 2).cta_tile_m, cfg(2048, 6144, 2).cta_tile_n) == (128, 256)
   # Without the TMA add (D > 2) never the M split, which has not completed over NVLink
-  # (fused.nvlink_unverified): D = 8, M = 512 takes 64 x 256 CTA tiles, not pairs of 64-row
-  # chunks under 128-row ones; D = 4 the N split's 128 x 256.
+  # (fused.nvlink_unverified): D = 8, M = 512 takes 128 x 256 CTA tiles of 128 x 128
+  # warpgroup tiles side by side along N over pairs of 64-row chunks (one wave, where 64 x 256
+  # tiles take two); D = 4 the N split's 128 x 256.
   for m, n, d in [(512, 8192, 8), (2048, 6144, 8), (512, 6144, 4), (8192, 8192, 4)]:
     assert cfg(m, n, d).wg_dimension == config_lib.MatmulDimension.N, (m, n, d)
-  assert (cfg(512, 8192, 8).cta_tile_m, cfg(512, 8192, 8).chunk_group(512, 8)) == (64, 1)
+  assert (cfg(512, 8192, 8).cta_tile_m, cfg(512, 8192, 8).chunk_group(512, 8)) == (128, 2)
+  assert (cfg(512, 6144, 8).cta_tile_m, cfg(512, 6144, 8).chunk_group(512, 8)) == (128, 2)
   assert (cfg(8192, 8192, 4).cta_tile_m, cfg(8192, 8192, 4).cta_tile_n) == (128, 256)
   # D = 1 (no NVLink) keeps it.
   assert cfg(512, 8192, 1).wg_dimension == m_dim

@@ -150,7 +150,7 @@ def _compute_program(k: Rank, scoped: dict, cta_index, num_compute):
 
     def tile_body(lin_idx, local_step):
       step, tile = k.walk(lin_idx)
-      offset = schedule.wg_offset(k.rank, step, wg_idx, d, k.group)  # This warpgroup's peer.
+      parts = k.parts(step, wg_idx)  # (rows, offset of their peer) of this warpgroup's tile
       first_dst = schedule.wg_dst(k.rank, step, 0, d, k.group)  # The tile's first chunk.
       (m_idx, n_idx), slices = k.tile_slices(tile, wg_idx)
       cta_n_slice = pl.ds(n_idx * c.cta_tile_n, c.cta_tile_n)
@@ -167,12 +167,31 @@ def _compute_program(k: Rank, scoped: dict, cta_index, num_compute):
           plgpu.wait_smem_to_gmem(0, wait_read_only=False)
           epi.announce_deferred(lin_idx - num_compute, lambda: local_step > 0)
 
-          is_own = offset == 0
-          pl.when(is_own)(jax.named_scope("own_epilogue")(
-              lambda: epi.own(acc_ref, tile, slices)))
-          if d > 1:
-            pl.when(jnp.logical_not(is_own))(jax.named_scope("remote_epilogue")(
-                lambda: epi.remote(acc_ref, step, tile, offset, slices)))
+          def part_acc(rows):
+            return (lambda: acc_ref[...]) if rows is None else (lambda: acc_ref[...][rows])
+
+          def own(rows, offset):
+            pl.when(offset == 0)(jax.named_scope("own_epilogue")(
+                lambda: epi.own(part_acc(rows), tile, slices)))
+
+          def remote(rows, offset):
+            if d > 1:
+              pl.when(offset != 0)(jax.named_scope("remote_epilogue")(
+                  lambda: epi.remote(part_acc(rows), step, tile, offset, slices)))
+
+          if not k.split_halves:
+            ((rows, offset),) = parts
+            own(rows, offset)
+            remote(rows, offset)
+            return
+          # Split halves: the remote ones first (the pair partner's own half waits for this
+          # warpgroup's remote half while this one's own half waits for the partner's), each
+          # half's sub-tiles starting again at SMEM slot 0 once the previous half's are read.
+          for i, (phase, (rows, offset)) in enumerate(
+              [(remote, part) for part in parts] + [(own, part) for part in parts]):
+            if i:
+              plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            phase(rows, offset)
 
       def mma_body(_, x_smem, w_smem, acc_ref):
         plgpu.wgmma(acc_ref, x_smem.at[wg_x], w_smem.at[:, wg_w])

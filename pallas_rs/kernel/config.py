@@ -276,10 +276,12 @@ class Config:
           + "with pulling comm CTAs at D > 2 (their adds in ring order are deterministic), got "
           f"comm_ctas={self.comm_ctas}, comm_mode={self.comm_mode!r}")
     if self.chunk_group(m, num_devices) == 2:
-      # Pairs: each warpgroup's tile has its own destination (docs/design.md section 3).
+      # Pairs: a warpgroup's tile (M split) or each half of it (N split) has its own
+      # destination (docs/design.md section 3).
       if self.comm_ctas or self.eager_signal_steps or self.comm_mode == "owner":
         raise NotImplementedError(
-            f"a CTA tile over two {chunk}-row chunks (tile_m={self.tile_m}, wg_dimension=M) "
+            f"a CTA tile over two {chunk}-row chunks (tile_m={self.tile_m}, "
+            f"wg_dimension={self.wg_dimension.name}) "
             f"runs only with the direct push and deferred signals, got comm_ctas="
             f"{self.comm_ctas}, comm_mode={self.comm_mode!r}, "
             f"eager_signal_steps={self.eager_signal_steps}")

@@ -101,11 +101,10 @@ class Epilogue:
     if k.d == 1 or not k.hooks.comm:
       return
     step, tile = k.walk(lin_idx)
-    offset = schedule.wg_offset(k.rank, step, self.wg, k.d, k.group)
-
-    @pl.when(when() & self.deferred(step, offset))
-    def _():
-      self.announce(offset, tile)
+    for _, offset in k.parts(step, self.wg):
+      @pl.when(when() & self.deferred(step, offset))
+      def _(offset=offset):
+        self.announce(offset, tile)
 
   def owner_wait(self, tile):
     """Until the own tile `tile`'s D - 1 partials have landed (receive slots; sum_in_output: the
@@ -149,14 +148,15 @@ class Epilogue:
     loads = [(mi, ni, j) for mi, ni in k.epi_tiles for j in k.slot_order]
     if not k.hooks.reduce:
       loads = []
-    # With pairs one warpgroup of the CTA (rank % 2's) sums and the other only sends, so
-    # the summing one takes both warpgroups' receive stages: twice the loads in flight.
-    stages = _NUM_COMPUTE_WGS * recv_stages if k.pairs else recv_stages
+    # With pairs along M one warpgroup of the CTA (rank % 2's) sums and the other only sends,
+    # so the summing one takes both warpgroups' receive stages: twice the loads in flight.
+    one_sums = k.pairs and not k.split_halves
+    stages = _NUM_COMPUTE_WGS * recv_stages if one_sums else recv_stages
 
     def stage(i):
       """(SMEM slot, barrier) of load i."""
       buf = i % stages
-      if k.pairs:
+      if one_sums:
         return (self.part_smem.at[buf // recv_stages, buf % recv_stages],
                 self.part_barrier.at[buf])
       return self.part_smem.at[self.wg, buf], self.part_barrier.at[self.wg * recv_stages + buf]
@@ -186,28 +186,29 @@ class Epilogue:
       own = _finish_sum(own, run, ring=k.ring, out_dtype=out_dtype)
       emit(e, own.astype(out_dtype))
 
-  def own(self, acc_ref, tile, slices):
-    """The own chunk's tile: the owner's sum of the peers' partials into the output, or (D = 1)
-    the tile itself, or (sum_in_output) its own partial TMA-added onto the peers' in the output."""
+  def own(self, acc, tile, slices):
+    """The own chunk's tile (`acc()`: its f32 accumulator): the owner's sum of the peers'
+    partials into the output, or (D = 1) the tile itself, or (sum_in_output) its own partial
+    TMA-added onto the peers' in the output."""
     k = self.k
     out = k.out.at[slices]
     if k.d > 1 and not k.sum_in_output:
-      self.owner_sum(acc_ref[...], tile, slices,
+      self.owner_sum(acc(), tile, slices,
                      lambda i, sub: self.store_sub(i, sub, self.out_smem, out))
       return
     if k.sum_in_output:  # The ring's last rounded add, by TMA: bf16(peers + bf16(own)).
       self.owner_wait(tile)
-    acc = acc_ref[...].astype(k.out.dtype)
+    acc = acc().astype(k.out.dtype)
     self.store_tile([acc[k.epi_slices(mi, ni)] for mi, ni in k.epi_tiles], self.out_smem,
                     out, add=k.sum_in_output and k.hooks.reduce)
 
-  def remote(self, acc_ref, step, tile, offset, slices):
-    """A peer's tile (the peer at `offset`): staged locally for comm CTAs or the owner to move
-    on, or pushed into the owner's receive slot (its output with sum_in_output); announced now
-    where its step signals eagerly (or, pairs, beside the own chunk), else at the next
-    epilogue."""
+  def remote(self, acc, step, tile, offset, slices):
+    """A peer's tile (the peer at `offset`; `acc()`: its f32 accumulator): staged locally for
+    comm CTAs or the owner to move on, or pushed into the owner's receive slot (its output with
+    sum_in_output); announced now where its step signals eagerly (or, pairs, beside the own
+    chunk), else at the next epilogue."""
     k, d = self.k, self.k.d
-    acc = acc_ref[...].astype(k.part_dtype)
+    acc = acc().astype(k.part_dtype)
     subs = [acc[k.epi_slices(mi, ni)] for mi, ni in k.epi_tiles]
     if k.staging:
       # Local staging at HBM speed; comm CTAs or the owner move it on.

@@ -113,6 +113,27 @@ class Rank:
     return self.group == 2
 
   @property
+  def split_halves(self) -> bool:
+    """Pairs with the warpgroups along N: each warpgroup's tile has two destinations, one per
+    64-row half (schedule.half_dst); along M each warpgroup's tile is one chunk."""
+    return self.pairs and not self.wg_m
+
+  @property
+  def part_m(self) -> int:
+    """Rows of one destination's part of a warpgroup tile (a half with split_halves)."""
+    return self.config.tile_m // 2 if self.split_halves else self.config.tile_m
+
+  def parts(self, step, wg_idx) -> list[tuple[Any, Any]]:
+    """(rows of the warpgroup tile, offset of their destination from this rank) per part of
+    warpgroup `wg_idx`'s tile at `step`: the whole tile (rows None), or (split_halves) each
+    half."""
+    if self.split_halves:
+      return [(slice(h * self.part_m, (h + 1) * self.part_m),
+               (schedule.half_dst(self.rank, step, h, self.d) - self.rank) % self.d)
+              for h in range(2)]
+    return [(None, schedule.wg_offset(self.rank, step, wg_idx, self.d, self.group))]
+
+  @property
   def steps(self) -> int:
     return schedule.num_steps(self.d, self.group)
 
@@ -163,7 +184,7 @@ class Rank:
   def epi_tiles(self) -> list[tuple[int, int]]:
     """(row, column) of each epilogue sub-tile of a warpgroup tile, in store order."""
     c = self.config
-    return [(mi, ni) for mi in range(c.tile_m // c.epi_tile_m)
+    return [(mi, ni) for mi in range(self.part_m // c.epi_tile_m)
             for ni in range(c.tile_n // c.epi_tile_n)]
 
   def epi_slices(self, mi: int, ni: int):
@@ -176,7 +197,8 @@ class Rank:
 
   def tile_slices(self, tile, wg_idx):
     """((m_idx, n_idx), slices): the tile's row and column block and the rows and columns of
-    warpgroup `wg_idx`'s part of it, within a [chunk, n] array."""
+    warpgroup `wg_idx`'s part of it, within a [chunk, n] array (with split_halves: of each
+    half, in its destination's chunk)."""
     c = self.config
     m_idx, n_idx = plgpu.planar_snake(tile, (self.m_iters, self.n_iters), c.grid_minor_dim,
                                       c.grid_tile_width)
@@ -185,4 +207,4 @@ class Rank:
       row0 += wg_idx * c.tile_m
     elif not self.wg_m:
       col0 += wg_idx * c.tile_n
-    return (m_idx, n_idx), (pl.ds(row0, c.tile_m), pl.ds(col0, c.tile_n))
+    return (m_idx, n_idx), (pl.ds(row0, self.part_m), pl.ds(col0, c.tile_n))

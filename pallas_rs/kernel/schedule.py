@@ -114,20 +114,21 @@ def step_and_tile(lin_idx: Any, tiles_per_chunk: int, steps: int = 1,
           jnp.where(is_remote, lin_idx // (steps - 1), own_tile))
 
 
-def interleave_pays(chunk: int, cta_tile_m: int, num_devices: int) -> bool:
-  """Whether the interleaved walk (step_and_tile) is the default: D > 2 and a chunk of one row
-  of CTA tiles, where the step-major walk sweeps all of w in every wave (a D = 8 M = 512
-  rank's GEMM core 17-22% faster alone; two or more rows: no gain; BUILD_NOTES 2026-12-01,
-  eighth session)."""
-  return num_devices > 2 and chunk == cta_tile_m
+def interleave_pays(chunk: int, cta_tile_m: int, num_devices: int, group: int = 1) -> bool:
+  """Whether the interleaved walk (step_and_tile) is the default: D > 2 and a step of one row
+  of CTA tiles (a chunk, or with pairs two), where the step-major walk sweeps all of w in
+  every wave (a D = 8 M = 512 rank's GEMM core with 64-row tiles 17-22% faster alone; two or
+  more rows: no gain; BUILD_NOTES 2026-12-01, eighth session)."""
+  return num_devices > 2 and group * chunk == cta_tile_m
 
 
 def chunk_group(chunk: int, tile_m: int, wg_along_m: bool, num_devices: int) -> int:
-  """Row chunks one CTA tile spans: 2 where the warpgroups stack along M and each is a whole
-  chunk high (a 128-row tile over the 64-row chunks of ranks 2p and 2p + 1, one warpgroup
-  each: "pairs", D = 8 at M = 512; D even), else 1."""
-  pairs = wg_along_m and tile_m == chunk and num_devices % 2 == 0
-  return 2 if pairs else 1
+  """Row chunks one CTA tile spans: 2 where the CTA tile is two chunks high ("pairs": a
+  128-row tile over the 64-row chunks of ranks 2p and 2p + 1, D = 8 at M = 512; D even), else
+  1. With the warpgroups stacked along M each warpgroup's tile is one chunk; side by side along
+  N each warpgroup's tile spans both, one half per chunk (`half_dst`)."""
+  cta_m = 2 * tile_m if wg_along_m else tile_m
+  return 2 if cta_m == 2 * chunk and num_devices % 2 == 0 else 1
 
 
 def num_steps(num_devices: int, group: int = 1) -> int:
@@ -182,6 +183,15 @@ def wg_dst(rank: Any, step: Any, wg: Any, num_devices: int, group: int = 1) -> A
   groups = num_devices // group
   first = (rank // group - step - 1) % groups * group
   return first + wg if group == 2 else first
+
+
+def half_dst(rank: Any, step: Any, half: int, num_devices: int) -> Any:
+  """Pairs with the warpgroups along N: the destination of rows 64 half .. 64 half + 63 of a
+  warpgroup's tile (both warpgroups' tiles span the pair's two chunks): the chunk that
+  `wg_dst` gives warpgroup `half` of the same CTA tile with the warpgroups along M. Every
+  element goes where it goes with the M split, in the same arithmetic; a warpgroup's tile has
+  a destination per half instead of one."""
+  return wg_dst(rank, step, half, num_devices, 2)
 
 
 def wg_offset(rank: Any, step: Any, wg: Any, num_devices: int, group: int = 1) -> Any:

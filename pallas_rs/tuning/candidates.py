@@ -259,7 +259,9 @@ def search_space(*, m: int, n: int, k_shard: int, num_devices: int,
                  num_sms=num_sms, eager_signal_steps=eager, comm_ctas=comm,
                  out_slots=out_slots, partial_dtype=partial_dtype, owner_sum=owner_sum,
                  tma_add=tma_add,  # As default_config, like the walk:
-                 interleave_steps=schedule.interleave_pays(m // num_devices, cta_m, num_devices))
+                 interleave_steps=schedule.interleave_pays(
+                     m // num_devices, cta_m, num_devices,
+                     schedule.chunk_group(m // num_devices, tile_m, wg == _M, num_devices)))
     try:
       cfg.check_shape(m=m, n=n, k_shard=k_shard, num_devices=num_devices)
     except NotImplementedError:
