@@ -121,3 +121,18 @@ def test_chained_adds_bit_identical_over_nvlink(d, numerics):
       defaults.default_config(m=m, n=n, k_shard=k // d, num_devices=d)), numerics, d), d)
   chained = dataclasses.replace(base, comm_ctas=4, comm_mode="pull", tma_add=True)
   _same_bits_over_nvlink(d, m, n, k, base, chained, 21000)
+
+
+@pytest.mark.parametrize("d", _device_counts())
+@pytest.mark.parametrize("numerics", list(config_lib.NUMERICS_MODES))
+def test_pairs_split_along_n_bit_identical_over_nvlink(d, numerics):
+  # 64-row chunks (M = 64 D) under 128 x 256 CTA tiles whose warpgroups sit along N, each
+  # sending one 64-row half and summing the other (the D > 2 default at 64-row chunks: D = 8,
+  # M = 512): the bits of 64-row CTA tiles over NVLink, without the TMA add (loopback finds the
+  # two bit-identical: test_kernel_gpu.test_pairs_split_along_n_change_no_bit).
+  m, n, k = 64 * d, 2048, 1024 * d
+  make = lambda **kw: config_lib.fit_smem(dataclasses.replace(config_lib.with_numerics(
+      config_lib.Config(**kw), numerics, d), tma_add=False), d)
+  base, pairs = make(tile_m=64, tile_n=128), make(tile_m=128, tile_n=128)
+  assert (base.chunk_group(m, d), pairs.chunk_group(m, d)) == (1, 2)
+  _same_bits_over_nvlink(d, m, n, k, base, pairs, 23000 + 10 * d + len(numerics))
