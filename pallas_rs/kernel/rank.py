@@ -69,8 +69,8 @@ class Rank:
 
   @property
   def group(self) -> int:
-    """Chunks per CTA tile: 2 ("pairs") where a 64-row chunk is one warpgroup tile and the
-    warpgroups stack along M, so each warpgroup's tile has its own destination."""
+    """Chunks per CTA tile: 2 ("pairs") where a 128-row CTA tile spans two 64-row chunks
+    (warpgroups along M: each warpgroup's tile is one chunk's; along N: split_halves)."""
     return self.config.chunk_group(self.x.shape[0], self.d)
 
   @property

@@ -27,7 +27,9 @@ class Event:
       `(slot, tile, wg)` per compute warpgroup), "wait_staged" (a comm CTA waits for it),
       "pull" (an owner's comm CTA reads source `dst`'s staged tile of `step` into `slot`).
   With chunk pairs (group 2) the two warpgroups of a tile have different destinations: each
-  store, signal, wait and reduce names its warpgroup.
+  store, signal, wait and reduce names its warpgroup. (Pairs along N, whose warpgroups each
+  send one 64-row half and sum the other, remote half first, run the same events: `wg` then
+  names the half; the owner's semaphore of a (tile, warpgroup) counts the same signals.)
   """
   kind: str
   rank: int
