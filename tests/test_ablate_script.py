@@ -21,31 +21,31 @@ def test_ablate_script_plumbing(tmp_path):
   out = tmp_path / "ablate.json"
   proc = helpers.run_script_with_stand_ins(
       "ablate.py", ["--names=llama70b_o_proj_m512", "--iterations=2", f"--out={out}",
-                    "--configs=table,t64x128,c4", "--ablations=fused,neither,moves"],
+                    "--configs=table,t64x128,t64x128_c4", "--ablations=fused,neither,moves"],
       stand_ins=STAND_INS, after_load="mod.require_gpu = lambda jax: None")
   assert proc.returncode == 1, proc.stderr[-3000:]  # the wrong kernel
-  assert ("1 of 3 kernel outputs broke it: llama70b_o_proj_m512 c4:fused"
+  assert ("1 of 3 kernel outputs broke it: llama70b_o_proj_m512 t64x128_c4:fused"
           in proc.stdout), proc.stdout[-3000:]
   result = json.loads(out.read_text())
   (row,) = result["rows"]
   assert row["d"] == 8 and row["transport"] == "nvlink"
-  assert set(row["times_us"]) == {f"{c}{v}" for c in ("", "t64x128:", "c4:")
+  assert set(row["times_us"]) == {f"{c}{v}" for c in ("", "t64x128:", "t64x128_c4:")
                                   for v in ("fused", "neither", "moves")} | {"xla_seq", "xla_gemm"}
   assert "tile_m=64" in row["configs"]["t64x128"] and "tile_n=128" in row["configs"]["t64x128"]
   assert all(len(v) == 2 and min(v) > 0 for v in row["times_us"].values())
   # Every unablated kernel is checked (bf16 output of the stand-in).
-  assert set(row["max_rel_error"]) == {"fused", "t64x128:fused", "c4:fused"}
-  assert row["rule_holds"] == {"fused": True, "t64x128:fused": True, "c4:fused": False}
+  assert set(row["max_rel_error"]) == {"fused", "t64x128:fused", "t64x128_c4:fused"}
+  assert row["rule_holds"] == {"fused": True, "t64x128:fused": True, "t64x128_c4:fused": False}
   unfused = row["unfused_max_rel_error"]  # per checked kernel: NCCL's over NVLink, one value
   assert set(unfused) == set(row["max_rel_error"]) and len(set(unfused.values())) == 1
-  assert 0 < unfused["c4:fused"] < 2.0**-7
-  assert row["max_rel_error"]["c4:fused"] > 1.1 * unfused["c4:fused"]
+  assert 0 < unfused["t64x128_c4:fused"] < 2.0**-7
+  assert row["max_rel_error"]["t64x128_c4:fused"] > 1.1 * unfused["t64x128_c4:fused"]
   assert max(row["max_rel_error"][k] for k in ("fused", "t64x128:fused")) < 2.0**-7
   # The comm CTAs' rate: the bytes one rank's 4 comm CTAs move (7 of 8 bf16 chunks of
   # 64 x 8192) over the median "moves" time, per CTA; none for configs without comm CTAs.
   (rate,) = row["comm_gbps_per_cta"].items()
-  t = sorted(row["times_us"]["c4:moves"])
-  assert rate[0] == "c4:moves"
+  t = sorted(row["times_us"]["t64x128_c4:moves"])
+  assert rate[0] == "t64x128_c4:moves"
   assert rate[1] == pytest.approx(7 * 64 * 8192 * 2 / ((t[0] + t[1]) / 2 * 1e3) / 4)
   assert result["environment"]["jax_version"]
 
