@@ -238,6 +238,14 @@ def test_unsupported_shapes_are_named(m, n, k, match):
 def test_default_config_rejects_tiny_chunks():
   with pytest.raises(NotImplementedError, match=r"8 = 32 rows is below the smallest tile \(64\)"):
     fused.check_supported(m=8 * 32, k_shard=64, n=256, dtype=jnp.bfloat16, num_devices=8)
+  # Nor does an explicit 64-row tile along N take 32-row chunks as pairs: its halves would be
+  # 32 rows, below the 64-row wgmma and epilogue blocks.
+  cfg = config_lib.Config(tile_m=64, tile_n=128)
+  assert cfg.chunk_group(8 * 32, 8) == 1 and cfg.chunk_group(8 * 64, 8) == 1
+  assert config_lib.Config(tile_m=128, tile_n=128).chunk_group(8 * 64, 8) == 2
+  with pytest.raises(NotImplementedError, match="32 is not a multiple of the CTA tile's 64 rows"):
+    fused.check_supported(m=8 * 32, k_shard=64, n=256, dtype=jnp.bfloat16, num_devices=8,
+                          config=cfg)
 
 
 def test_non_bf16_is_not_implemented():

@@ -126,9 +126,11 @@ def chunk_group(chunk: int, tile_m: int, wg_along_m: bool, num_devices: int) -> 
   """Row chunks one CTA tile spans: 2 where the CTA tile is two chunks high ("pairs": a
   128-row tile over the 64-row chunks of ranks 2p and 2p + 1, D = 8 at M = 512; D even), else
   1. With the warpgroups stacked along M each warpgroup's tile is one chunk; side by side along
-  N each warpgroup's tile spans both, one half per chunk (`half_dst`)."""
+  N each warpgroup's tile spans both, one half per chunk (`half_dst`), which must hold whole
+  64-row row blocks (wgmma, epilogue sub-tiles): tile_m 128 over 64-row chunks."""
   cta_m = 2 * tile_m if wg_along_m else tile_m
-  return 2 if cta_m == 2 * chunk and num_devices % 2 == 0 else 1
+  halves_fit = wg_along_m or chunk % 64 == 0
+  return 2 if cta_m == 2 * chunk and halves_fit and num_devices % 2 == 0 else 1
 
 
 def num_steps(num_devices: int, group: int = 1) -> int:
