@@ -197,7 +197,7 @@ def main(argv):
       cname, _, variant = label.rpartition(":")
       print(f"{r['name']:32} {r['d']:>2} {cname or ('-' if label.startswith('xla') else 'table'):>10} "
             f"{variant:>10} {t:9.1f} {t / med['xla_gemm']:10.3f}")
-  checked = [(r["name"], label) for r in rows for label, ok in r.get("rule_holds", {}).items()]
+  checked = [(r["name"], label) for r in rows for label in r.get("rule_holds", {})]
   broken = [(r["name"], label) for r in rows for label, ok in r.get("rule_holds", {}).items()
             if not ok]
   if checked:

@@ -5,9 +5,9 @@
 "check": every config variant (direct push v1, comm CTAs, fp32 partials) against an fp32
 reference and the unfused path (in loopback its emulation, summed in the order the variant's
 numerics copies: testing.unfused_order), at D = the visible GPUs (NVLink) and in loopback at
-D = 2, 4, 8 on one GPU; each run twice (bit-determinism), and every bf16-partial variant bit-compared
-with v1 (same arithmetic, other transport: the bits must agree); exit code 1 if a check
-fails (the error rule, determinism or those bits).
+D = 2, 4, 8 on one GPU; each run twice (bit-determinism), and every bf16-partial variant
+bit-compared with v1 (same arithmetic, other transport: the bits must agree); exit code 1 if
+a check fails (the error rule, determinism or those bits).
 "time": per shape, XLA's dot (T_gemm), psum_scatter alone (T_comm), dot + psum_scatter
 (T_seq), and each variant with and without its communication (ablate="comm": the exposed
 communication is the difference). JSON with raw times under --out; a table last.
