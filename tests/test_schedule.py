@@ -449,3 +449,25 @@ def test_owner_pull_checks_are_live(monkeypatch, drop, match):
   monkeypatch.setattr(simulator, "cta_program", without)
   with pytest.raises(RuntimeError, match=match):
     _owner_pull(4, 6, 5)
+
+
+@pytest.mark.parametrize("d", [2, 4, 8])
+def test_pairs_along_n_send_each_half_where_the_m_split_sends_its_warpgroup(d):
+  # Pairs along N (Rank.parts): each warpgroup's two 64-row halves go where the M split sends
+  # its two warpgroups, so both splits put every element in the same place; over a rank's walk
+  # each chunk is reached once per half-row block, its own half only at the last (own pair)
+  # step, where the other half goes to the pair partner.
+  last = schedule.num_steps(d, 2) - 1
+  for r in range(d):
+    seen = []
+    for s in range(last + 1):
+      halves = [schedule.half_dst(r, s, h, d) for h in range(2)]
+      assert halves == [schedule.wg_dst(r, s, wg, d, 2) for wg in range(2)]
+      assert (r in halves) == (s == last)
+      seen += halves
+    assert sorted(seen) == list(range(d))
+    assert schedule.half_dst(r, last, r % 2, d) == r
+    assert schedule.half_dst(r, last, 1 - r % 2, d) == r ^ 1  # the partner
+  # A 128-row tile along N over 64-row chunks is such a pair tile.
+  cfg = config_lib.Config(tile_m=128, tile_n=128)
+  assert cfg.chunk_group(64 * d, d) == 2
