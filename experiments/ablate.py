@@ -143,7 +143,7 @@ def main(argv):
       build = lambda ablate, cfg: jax.jit(functools.partial(
           fused.loopback_matmul_reduce_scatter, ablate=ablate, config=cfg))
       # Timed in source order; each kernel judged against the order its numerics copies.
-      baselines = {"xla_seq": jax.jit(reference.loopback_matmul_reduce_scatter),
+      baselines = {"xla_seq": testing.loopback_unfused("source"),
                    "xla_gemm": jax.jit(lambda a, b: jnp.einsum(
                        "dmk,dkn->dmn", a, b, preferred_element_type=jnp.float32).astype(a.dtype))}
       check = lambda out: reference.max_rel_error(jax.device_get(out), ref)
@@ -167,8 +167,8 @@ def main(argv):
       row["times_us"][label] = t.times_us
       row.setdefault("timer", t.timer)
     unfused_errors = {}  # by the order of the unfused path's sum
-    unfused_fn = lambda order: fns["xla_seq"] if order in ("nccl", "source") else jax.jit(
-        functools.partial(reference.loopback_matmul_reduce_scatter, order=order))
+    unfused_fn = lambda order: fns["xla_seq"] if order == "nccl" else testing.loopback_unfused(
+        order)
     for label in fns:
       if label.endswith("fused"):  # every unablated kernel's output is judged by the rule
         row.setdefault("max_rel_error", {})[label] = err = check(fns[label](*args))

@@ -160,7 +160,7 @@ def time_candidate(label: str, fn, args, ref, *, num_devices: int,
       raise
     return rec
   err = float(reference.max_rel_error_on_device(out, ref))
-  ok = xla_err is None or err <= FLAGS.max_error_ratio * xla_err + 1e-6
+  ok = xla_err is None or bench_env.rule_holds(err, xla_err, FLAGS.max_error_ratio, slack=1e-6)
   rec.update(status="ok" if ok else "wrong", timer=t.timer,
              median_us=t.median_us, times_us=[float(v) for v in t.times_us],
              compile_s=compile_s, max_rel_error=err,

@@ -191,9 +191,11 @@ def write_json(path: Path, obj, *, allow_nan: bool = True) -> None:
 MAX_ERROR_RATIO = 1.1
 
 
-def rule_holds(err: float, err_unfused: float, max_ratio: float = MAX_ERROR_RATIO) -> bool:
-  """The error rule; False where either error is NaN (a NaN output is never correct)."""
-  return bool(err <= max_ratio * err_unfused)
+def rule_holds(err: float, err_unfused: float, max_ratio: float = MAX_ERROR_RATIO,
+               slack: float = 0.0) -> bool:
+  """The error rule (`slack`: an absolute allowance, for tuners that compare tiny errors);
+  False where either error is NaN (a NaN output is never correct)."""
+  return bool(err <= max_ratio * err_unfused + slack)
 
 
 def worse(worst: float, ratio: float) -> float:

@@ -168,7 +168,7 @@ def table(rows) -> str:
     xla = med.get("xla_dot", float("nan"))
     xla_err = r["max_rel_error"].get("xla_dot")
     bad = [k for k, e in r["max_rel_error"].items() if k != "xla_dot" and not (
-        xla_err is not None and e <= 1.1 * xla_err + 1e-6)]
+        xla_err is not None and bench_env.rule_holds(e, xla_err, slack=1e-6))]
     failed = [k for k, c in r["configs"].items() if str(c).startswith("failed")]
     pick = lambda p: min(((v, k) for k, v in med.items() if k.startswith(p) and k not in bad),
                          default=(float("nan"), "-"))

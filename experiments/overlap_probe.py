@@ -143,8 +143,7 @@ def main(argv):
           a = get(fn(*args))
           b = get(fn(*args))
           err = reference.max_rel_error(a, ref)
-          unfused_fn = check_unfused or jax.jit(functools.partial(
-              reference.loopback_matmul_reduce_scatter, order=testing.unfused_order(cfg)))
+          unfused_fn = check_unfused or testing.loopback_unfused(testing.unfused_order(cfg))
           unfused_out = get(unfused_fn(*args))
           err_unfused = reference.max_rel_error(unfused_out, ref)
           row = dict(transport=transport, d=d, m=m, n=n, k_shard=k_shard, variant=name,

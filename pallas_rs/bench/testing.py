@@ -19,6 +19,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import numpy as np
 
+from pallas_rs import reference
+
 
 def operands(key, m: int, k: int, n: int, *, num_devices: int = 1,
              dtype=jnp.bfloat16) -> tuple[jax.Array, jax.Array]:
@@ -145,6 +147,13 @@ def unfused_order(config) -> str:
   so a ring config judged against source order can break the rule with the unfused path's own
   arithmetic (BUILD_NOTES 2026-12-01 twelfth session, 2026-12-02 fourteenth)."""
   return "ring" if config is not None and config.numerics == "unfused_order" else "source"
+
+
+@functools.cache
+def loopback_unfused(order: str = "source"):
+  """`reference.loopback_matmul_reduce_scatter` summing in `order`, jitted once per order (a
+  fresh jit of a fresh partial would compile again at every call site)."""
+  return jax.jit(functools.partial(reference.loopback_matmul_reduce_scatter, order=order))
 
 
 @jax.jit

@@ -176,6 +176,11 @@ class Config:
     return schedule.chunk_group(m // num_devices, self.tile_m,
                                 self.wg_dimension == MatmulDimension.M, num_devices)
 
+  def interleave_pays(self, m: int, num_devices: int) -> bool:
+    """schedule.interleave_pays for this CTA tile over m rows at num_devices (pairs counted)."""
+    return schedule.interleave_pays(m // num_devices, self.cta_tile_m, num_devices,
+                                    self.chunk_group(m, num_devices))
+
   @property
   def num_out_slots(self) -> int:
     sub_tiles = (self.tile_m * self.tile_n) // (self.epi_tile_m * self.epi_tile_n)

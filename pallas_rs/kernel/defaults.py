@@ -127,7 +127,6 @@ def default_config(*, m: int, n: int, k_shard: int, num_devices: int,
   minor, width = _tile_order(grid, cfg.cta_tile_m, cfg.cta_tile_n, num_sms)
   cfg = dataclasses.replace(  # steps as measured
       cfg, tma_add=tma_add, grid_minor_dim=minor, grid_tile_width=width,
-      interleave_steps=schedule.interleave_pays(chunk, cfg.cta_tile_m, num_devices,
-                                                cfg.chunk_group(m, num_devices)))
+      interleave_steps=cfg.interleave_pays(m, num_devices))
   cfg.check_shape(m=m, n=n, k_shard=k_shard, num_devices=num_devices)
   return cfg

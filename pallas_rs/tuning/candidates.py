@@ -18,7 +18,6 @@ from typing import Iterator
 
 from pallas_rs.kernel import config as config_lib
 from pallas_rs.kernel import defaults
-from pallas_rs.kernel import schedule
 
 Config = config_lib.Config
 
@@ -251,17 +250,15 @@ def search_space(*, m: int, n: int, k_shard: int, num_devices: int,
       continue
     if not config_lib.nvlink_has_run(tile_n, wg, tma_add, num_devices):
       continue  # NVLink refuses it (fused.nvlink_unverified): nothing to measure
-    cta_m = config_lib.cta_tile(tile_m, tile_n, wg)[0]
     cfg = Config(tile_m=tile_m, tile_n=tile_n, tile_k=64, max_concurrent_steps=steps,
                  epi_tile_m=64, epi_tile_n=config_lib.epi_tile_n_for(tile_n, partial_dtype),
                  wg_dimension=wg,
                  recv_stages=recv_stages, grid_minor_dim=minor, grid_tile_width=width,
                  num_sms=num_sms, eager_signal_steps=eager, comm_ctas=comm,
                  out_slots=out_slots, partial_dtype=partial_dtype, owner_sum=owner_sum,
-                 tma_add=tma_add,  # As default_config, like the walk:
-                 interleave_steps=schedule.interleave_pays(
-                     m // num_devices, cta_m, num_devices,
-                     schedule.chunk_group(m // num_devices, tile_m, wg == _M, num_devices)))
+                 tma_add=tma_add)
+    # As default_config, like the walk.
+    cfg = dataclasses.replace(cfg, interleave_steps=cfg.interleave_pays(m, num_devices))
     try:
       cfg.check_shape(m=m, n=n, k_shard=k_shard, num_devices=num_devices)
     except NotImplementedError:
