@@ -103,12 +103,19 @@ def _check_operands(a, b, names=("x", "w"), dims=("m", "k_shard", "n")) -> None:
     raise ValueError(f"zero-size operands are not supported ({', '.join(empty)}): got {shapes}")
 
 
-def _axis_size(axis_name, fn_name: str) -> int:
+def _axis_names(axis_name, fn_name: str) -> tuple:
+  """`axis_name` as a tuple of mesh axis names (one checked spelling for both layers)."""
   names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-  if (not names or not all(isinstance(n, Hashable) for n in names)
-      or len(set(names)) != len(names)):
+  if not names or not all(isinstance(n, Hashable) for n in names):
     raise ValueError(f"{axis_name=} of {fn_name} must be a mesh axis name or a non-empty tuple "
                      "of distinct ones")
+  if len(set(names)) != len(names):
+    raise ValueError(f"{axis_name=} of {fn_name} names a mesh axis more than once")
+  return names
+
+
+def _axis_size(axis_name, fn_name: str) -> int:
+  _axis_names(axis_name, fn_name)
   try:
     return lax.axis_size(axis_name)
   except (NameError, ValueError) as e:
@@ -323,13 +330,10 @@ def row_parallel_matmul(x: jax.Array, w: jax.Array, *, mesh: jax.sharding.Mesh,
   if not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
     raise ValueError(f"mesh must be a jax.sharding.Mesh, e.g. jax.make_mesh((D,), "
                      f"({axis_name!r},)), got {mesh=}")
-  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-  missing = [name for name in names if name not in mesh.axis_names]
-  if missing or not names:
+  names = _axis_names(axis_name, "row_parallel_matmul")
+  if any(name not in mesh.axis_names for name in names):
     raise ValueError(f"{axis_name=} is not an axis of the mesh "
                      f"({mesh.axis_names=}; a tuple of its axes is also accepted)")
-  if len(set(names)) != len(names):
-    raise ValueError(f"{axis_name=} names a mesh axis more than once ({mesh.axis_names=})")
   _check_operands(x, w, dims=("m", "k", "n"))
   _check_placed_on(mesh, x, w)
   num_devices = math.prod(mesh.shape[name] for name in names)

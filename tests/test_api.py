@@ -321,7 +321,8 @@ def test_unknown_axis_outside_shard_map():
     ((8, 16), (16,), AXIS, r"rank 2.*\(16,\)"),
     ((8, 16), (12, 8), AXIS, r"contraction dimensions differ"),
     ((8, 18), (18, 8), AXIS, r"k=18 must be divisible.*num_devices=4"),
-    ((8, 16), (16, 8), (AXIS, AXIS), r"axis_name=\('x', 'x'\) names a mesh axis more than once"),
+    ((8, 16), (16, 8), (AXIS, AXIS),
+     r"axis_name=\('x', 'x'\) of row_parallel_matmul names a mesh axis more than once"),
     ((6, 16), (16, 8), AXIS, r"m=6 must be divisible.*x.shape=\(6, 16\) w.shape=\(16, 8\)"),
 ])
 def test_row_parallel_validation(x_shape, w_shape, axis_name, match):

@@ -6,6 +6,7 @@ partials (`owner_wait`) and sums them (`owner_sum`, or the owner's TMA add) in `
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -54,15 +55,26 @@ class Epilogue:
 
   def store_sub(self, i, sub, smem, dst_ref, add=False):
     """Epilogue sub-tile i (epi_tiles order) -> its place in dst_ref [tile_m, tile_n]
-    through the double-buffered SMEM slots of `smem`; `add`: TMA-added onto what it holds."""
+    through the double-buffered SMEM slots of `smem`; `add`: TMA-added onto what it holds.
+    `dst_ref` may be [(when, ref thunk), ...] with exactly one `when` true (a peer chosen at
+    run time among static ones): the sub-tile is written to SMEM once and only its TMA
+    store is emitted per peer (D - 1 copies of the register-to-SMEM code made the D = 8
+    module the size that took its lowering seconds)."""
     mi, ni = self.k.epi_tiles[i]
     slots = self.k.config.num_out_slots
     slot = i % slots
     plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
     smem[self.wg, slot] = sub
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(smem.at[self.wg, slot], dst_ref.at[self.k.epi_slices(mi, ni)],
-                            reduction_op="add" if add else None)
+    targets = dst_ref if isinstance(dst_ref, list) else [(None, lambda: dst_ref)]
+    for when, ref in targets:
+      def copy(ref=ref):
+        plgpu.copy_smem_to_gmem(smem.at[self.wg, slot], ref().at[self.k.epi_slices(mi, ni)],
+                                reduction_op="add" if add else None)
+      if when is None:
+        copy()
+      else:
+        pl.when(when)(copy)
 
   def store_tile(self, subs, smem, dst_ref, add=False):
     for i, sub in enumerate(subs):
@@ -213,18 +225,20 @@ class Epilogue:
     if k.staging:
       # Local staging at HBM speed; comm CTAs or the owner move it on.
       self.store_tile(subs, self.send_smem, k.stage_local.at[step].at[slices])
+    else:
+      # Into the owner's output to add onto (sum_in_output), else its receive slot; this
+      # rank's own buffer under the "comm" ablation.
+      whole, local = ((k.out_all, k.out) if k.sum_in_output else (k.recv_gmem, k.recv_local))
+
+      def owner_buffer(o):
+        dst = k.transport.peer(whole, k.rank, o) if k.hooks.comm else local
+        return (dst if k.sum_in_output else dst.at[schedule.recv_slot(o)]).at[slices]
+
+      self.store_tile(subs, self.send_smem,
+                      [(offset == o, functools.partial(owner_buffer, o)) for o in range(1, d)])
     for o in range(1, d):
       @pl.when(offset == o)
       def _():
-        if not k.staging:
-          # Into the owner's output to add onto (sum_in_output), else its receive slot;
-          # this rank's own buffer under the "comm" ablation.
-          whole, local = ((k.out_all, k.out) if k.sum_in_output
-                          else (k.recv_gmem, k.recv_local))
-          dst = k.transport.peer(whole, k.rank, o) if k.hooks.comm else local
-          if not k.sum_in_output:
-            dst = dst.at[schedule.recv_slot(o)]
-          self.store_tile(subs, self.send_smem, dst.at[slices])
         def announce_now(o=o):
           plgpu.wait_smem_to_gmem(0, wait_read_only=False)
           self.announce(o, tile)
