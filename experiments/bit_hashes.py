@@ -52,7 +52,8 @@ def parse_case(text: str) -> tuple[int, int, int, int, str]:
 
 
 def differences(rows: list[dict], earlier: list[dict]) -> list[str]:
-  """Cases whose hashes differ from (or are missing in) `earlier`'s rows."""
+  """Cases whose hashes differ from (or are missing in) `earlier`'s rows; a case that ran in
+  one and was refused ("unavailable", no hash) in the other differs too."""
   before = {r["case"]: r.get("sha256") for r in earlier}
   return [r["case"] for r in rows if before.get(r["case"]) != r.get("sha256")]
 
@@ -113,7 +114,7 @@ def main(argv):
   rows = record["rows"]
   ran = [r for r in rows if "sha256" in r]
   bad = [r["case"] for r in ran if not (r["rule_holds"] and r["deterministic"])]
-  differ = differences(ran, earlier) if earlier is not None else []
+  differ = differences(rows, earlier) if earlier is not None else []
   print(f"\n{'case':34s} {'sha256':12s} {'err / unfused':>14s}  note")
   for r in rows:
     note = r.get("unavailable", "")[:60] or ("DIFFERS" if r["case"] in differ else "")

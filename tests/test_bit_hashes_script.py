@@ -39,6 +39,10 @@ def test_differences_names_changed_and_missing_cases(bit_hashes):
   rows = [dict(case="a", sha256="1"), dict(case="b", sha256="3"), dict(case="c", sha256="4")]
   assert bit_hashes.differences(rows, earlier) == ["b", "c"]
   assert bit_hashes.differences(rows[:1], earlier) == []
+  # Refused now (no hash) where it ran before, or the other way round: a difference.
+  assert bit_hashes.differences([dict(case="a", unavailable="why")], earlier) == ["a"]
+  assert bit_hashes.differences(rows[:1], [dict(case="a", unavailable="why")]) == ["a"]
+  assert bit_hashes.differences([dict(case="u")], [dict(case="u", unavailable="why")]) == []
 
 
 def test_digest_sees_one_bit_and_the_shape(bit_hashes):

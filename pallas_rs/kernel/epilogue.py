@@ -58,8 +58,8 @@ class Epilogue:
     through the double-buffered SMEM slots of `smem`; `add`: TMA-added onto what it holds.
     `dst_ref` may be [(when, ref thunk), ...] with exactly one `when` true (a peer chosen at
     run time among static ones): the sub-tile is written to SMEM once and only its TMA
-    store is emitted per peer (D - 1 copies of the register-to-SMEM code made the D = 8
-    module the size that took its lowering seconds)."""
+    store is emitted per peer (written per peer, the register-to-SMEM code was in the module
+    D - 1 times: 20-32% of the D = 8 module's lowering time, docs/design.md section 4)."""
     mi, ni = self.k.epi_tiles[i]
     slots = self.k.config.num_out_slots
     slot = i % slots
