@@ -109,8 +109,11 @@ def main(argv):
   out = Path(_OUT.value) if _OUT.value else bench_env.default_out("bit_hashes.json")
   record = dict(environment=bench_env.environment_block(sys.argv), rows=[])
   for i, text in enumerate(_CASES.value):
-    record["rows"].append(run_case(text, i))
-    bench_env.write_json(out, bench_env.sanitize(record))
+    row = run_case(text, i)
+    record["rows"].append(row)
+    bench_env.write_json(out, bench_env.sanitize(record))  # a run cut short keeps its cases
+    print(f"[{i + 1}/{len(_CASES.value)}] {text}: {row.get('sha256', 'unavailable')[:12]}",
+          flush=True)
   rows = record["rows"]
   ran = [r for r in rows if "sha256" in r]
   bad = [r["case"] for r in ran if not (r["rule_holds"] and r["deterministic"])]
