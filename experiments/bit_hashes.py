@@ -89,7 +89,8 @@ def run_case(text: str, index: int) -> dict:
   err = reference.max_rel_error(first, ref)
   unfused = reference.max_rel_error(testing.loopback_unfused(testing.unfused_order(cfg))(
       xs, ws), ref)
-  return row | dict(sha256=digest(first), deterministic=digest(second) == digest(first),
+  sha256 = digest(first)
+  return row | dict(sha256=sha256, deterministic=digest(second) == sha256,
                     max_rel_error=err, unfused_max_rel_error=unfused,
                     rule_holds=bench_env.rule_holds(err, unfused))
 
