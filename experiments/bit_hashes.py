@@ -6,7 +6,9 @@
 A change to the kernel that should move no output bit (a refactor of the body, code hoisted out
 of a branch) is checked this way on one GPU: the same cases (D virtual ranks, shape, a
 config_variants name applied to the kernel's default config), the same seeded inputs, the
-sha256 of every output, two calls each (a difference between them is a race). Each output also
+sha256 of every output, two calls each (a difference between them is a race). The inputs depend
+on the shape alone (`input_seed`), so the variants of one shape in one run compare directly too:
+the run lists how many distinct outputs each such shape gave. Each output also
 keeps the error rule against the unfused path in the config's order, so a case is correct on
 its own too. --compare names every case whose bits differ from the earlier JSON's; the run
 exits 1 on a difference, a broken rule or a nondeterministic case.
@@ -18,6 +20,7 @@ import hashlib
 import json
 from pathlib import Path
 import sys
+import zlib
 
 from absl import app
 from absl import flags
@@ -58,13 +61,28 @@ def differences(rows: list[dict], earlier: list[dict]) -> list[str]:
   return [r["case"] for r in rows if before.get(r["case"]) != r.get("sha256")]
 
 
+def input_seed(d: int, m: int, n: int, k_shard: int) -> int:
+  """The inputs' seed: the shape's, not the case's position or variant (a stable checksum)."""
+  return 7000 + zlib.crc32(f"{d}:{m}:{n}:{k_shard}".encode()) % 100_000
+
+
+def distinct_outputs(rows: list[dict]) -> dict[str, int]:
+  """'D:m:n:k_shard' -> how many distinct hashes its variants gave, for shapes run with more
+  than one variant (1: every variant gave the same bits on the same inputs)."""
+  hashes = {}
+  for r in rows:
+    if "sha256" in r:
+      hashes.setdefault(r["case"].rsplit(":", 1)[0], []).append(r["sha256"])
+  return {shape: len(set(h)) for shape, h in hashes.items() if len(h) > 1}
+
+
 def digest(array) -> str:
   import numpy as np  # pylint: disable=g-import-not-at-top
   a = np.asarray(array)
   return hashlib.sha256(a.tobytes() + str((a.shape, a.dtype)).encode()).hexdigest()
 
 
-def run_case(text: str, index: int) -> dict:
+def run_case(text: str) -> dict:
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from pallas_rs import reference  # pylint: disable=g-import-not-at-top
@@ -83,7 +101,7 @@ def run_case(text: str, index: int) -> dict:
   except NotImplementedError as e:
     return row | dict(unavailable=str(e))
   f = jax.jit(functools.partial(fused.loopback_matmul_reduce_scatter, config=cfg))
-  xs, ws = testing.stacked_inputs(7000 + index, d, m, k_shard, n)
+  xs, ws = testing.stacked_inputs(input_seed(d, m, n, k_shard), d, m, k_shard, n)
   first, second = f(xs, ws), f(xs, ws)
   ref = testing.stacked_reference(xs, ws)
   err = reference.max_rel_error(first, ref)
@@ -110,7 +128,7 @@ def main(argv):
   out = Path(_OUT.value) if _OUT.value else bench_env.default_out("bit_hashes.json")
   record = dict(environment=bench_env.environment_block(sys.argv), rows=[])
   for i, text in enumerate(_CASES.value):
-    row = run_case(text, i)
+    row = run_case(text)
     record["rows"].append(row)
     bench_env.write_json(out, bench_env.sanitize(record))  # a run cut short keeps its cases
     print(f"[{i + 1}/{len(_CASES.value)}] {text}: {row.get('sha256', 'unavailable')[:12]}",
@@ -125,6 +143,8 @@ def main(argv):
     ratio = (bench_env.fmt(r["max_rel_error"] / r["unfused_max_rel_error"], ".3f")
              if "sha256" in r and r["unfused_max_rel_error"] else "-")
     print(f"{r['case']:34s} {r.get('sha256', '-')[:12]:12s} {ratio:>14s}  {note}")
+  for shape, count in distinct_outputs(rows).items():
+    print(f"{shape}: its variants gave {count} distinct output(s) on the same inputs")
   print(f"{len(ran)} of {len(rows)} cases ran; {len(bad)} broke the rule or moved between "
         f"calls; {len(differ) if earlier is not None else '-'} differ from --compare")
   print(f"wrote {out}")

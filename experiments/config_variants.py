@@ -7,6 +7,7 @@ tiles, a 4-step pipeline); the usual base is `tuned_config`.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
 
@@ -62,7 +63,7 @@ def _tile(cfg, match, lib):
   del lib
   tile_m, tile_n = int(match[1]), int(match[2])
   return dataclasses.replace(cfg, tile_m=tile_m, tile_n=tile_n,
-                             epi_tile_n=min(cfg.epi_tile_n, tile_n))
+                             epi_tile_n=math.gcd(cfg.epi_tile_n, tile_n))
 
 
 def _owner(cfg, match, lib):

@@ -45,6 +45,22 @@ def test_differences_names_changed_and_missing_cases(bit_hashes):
   assert bit_hashes.differences([dict(case="u")], [dict(case="u", unavailable="why")]) == []
 
 
+def test_inputs_follow_the_shape_not_the_variant_or_position(bit_hashes):
+  # Variants of one shape share inputs (their hashes compare within a run), and a case keeps
+  # its inputs wherever it stands in --cases (its hash compares across runs).
+  seed = bit_hashes.input_seed(8, 512, 6144, 768)
+  assert seed == bit_hashes.input_seed(8, 512, 6144, 768)
+  assert len({seed, bit_hashes.input_seed(4, 512, 6144, 768),
+              bit_hashes.input_seed(8, 512, 6144, 1536)}) == 3
+  rows = [dict(case="8:512:6144:768:table", sha256="1"),
+          dict(case="8:512:6144:768:t128x96_wn", sha256="1"),
+          dict(case="4:512:6144:1536:table", sha256="2"),
+          dict(case="4:512:6144:1536:t128x96_wn", sha256="3"),
+          dict(case="4:512:6144:1536:ow", unavailable="why"),
+          dict(case="2:1024:2048:512:table", sha256="4")]
+  assert bit_hashes.distinct_outputs(rows) == {"8:512:6144:768": 1, "4:512:6144:1536": 2}
+
+
 def test_digest_sees_one_bit_and_the_shape(bit_hashes):
   a = np.arange(12, dtype=np.float32)
   b = a.copy()

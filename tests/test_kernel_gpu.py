@@ -259,6 +259,22 @@ def test_warpgroup_split_changes_no_bit(d, numerics):
     helpers.assert_same_bits(*(f(xs, ws) for f in fns), call)
 
 
+# 128 x 192 CTA tiles split along N (two 128 x 96 wgmma tiles: both operands at the 64 B
+# swizzle, Config.operand_swizzle_cols) against the same CTA tile split along M (64 x 192 each,
+# the 128 B swizzle): every bit the same, at the Mixtral shape they are for (N = 6144, M = 512:
+# 32 x 4 CTA tiles fill 128 of 132 SMs where 128 x 256 fills 96), and at D = 2 with the ring.
+@pytest.mark.parametrize("d,m,numerics", [(2, 1024, "unfused_order"),
+                                          (4, 512, "fp32_partials"), (8, 512, "fp32_partials")])
+def test_96_column_warpgroup_tiles_change_no_bit(d, m, numerics):
+  n, k_shard = 6144, 1024
+  cfgs = [config_lib.fit_smem(config_lib.with_numerics(config_lib.Config(
+      tile_m=tm, tile_n=tn, epi_tile_n=32, wg_dimension=wg), numerics, d), d)
+      for tm, tn, wg in ((64, 192, _WG_M), (128, 96, _WG_N))]
+  assert [c.operand_swizzle_cols for c in cfgs] == [64, 32]
+  assert {(c.cta_tile_m, c.cta_tile_n) for c in cfgs} == {(128, 192)}
+  _same_bits(cfgs, d, m, n, k_shard, seed=13500 + 10 * d)
+
+
 # The remote steps walked tile by tile (Config.interleave_steps) change only when each tile is
 # computed, not what it adds: every output bit as with the step-major walk, at D = 3/4/8, with
 # the direct push (one-row chunks: the shapes it is for), pulling comm CTAs and pairs.

@@ -582,6 +582,32 @@ def test_warpgroups_along_m_lower(d, comm):
                     platforms=["cuda"])(xs, ws)
 
 
+# D = 4 in the slow layer; D = 8 also under shard_map (the N split runs over NVLink).
+@pytest.mark.parametrize("d", [pytest.param(4, marks=pytest.mark.slow), 8])
+def test_96_column_warpgroup_tiles_lower(d):
+  # 128 x 192 CTA tiles split along N: wgmma takes both operands with one swizzle, and w's
+  # block splits between the warpgroups at column 96, so x and w both take the 64 B swizzle
+  # (Mosaic GPU: "WGMMA rhs swizzle must match lhs swizzle"). Mixtral's N = 6144 at M = 512.
+  cfg = config_lib.fit_smem(config_lib.with_numerics(config_lib.Config(
+      tile_m=128, tile_n=96, epi_tile_n=32, wg_dimension=config_lib.MatmulDimension.N),
+      defaults.default_numerics(d), d), d)
+  assert (cfg.cta_tile_m, cfg.cta_tile_n, cfg.operand_swizzle_cols) == (128, 192, 32)
+  assert cfg.epi_tile_n == 32  # config.epi_tile_n_for: 64 would not divide 96
+  xs, ws = (jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((d, 512, 1536), (d, 1536, 6144)))
+  jax.export.export(jax.jit(functools.partial(fused.loopback_matmul_reduce_scatter, config=cfg)),
+                    platforms=["cuda"])(xs, ws)
+  if d == 8:
+    _export_shard_map(512, 6144, 8 * 1536, 8, config=cfg)
+
+
+def test_warpgroup_tiles_need_a_64_byte_swizzle_tile():
+  cfg = config_lib.Config(tile_m=128, tile_n=80, epi_tile_n=16,
+                          wg_dimension=config_lib.MatmulDimension.N)
+  with pytest.raises(NotImplementedError, match="tile_n=80 must be a multiple of 32"):
+    cfg.check_shape(m=1024, n=2560, k_shard=1024, num_devices=2)
+  assert config_lib.Config().operand_swizzle_cols == 64  # the 128 B swizzle as before
+
+
 # D = 4 in the slow layer (tests/conftest.py): the loopback path of D = 2 and 8 (fast).
 @pytest.mark.parametrize("d", [2, pytest.param(4, marks=pytest.mark.slow), 8])
 def test_pairs_lower(d):

@@ -94,7 +94,7 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
 def _pipeline(k: Rank, pipeline_body, compute_context):
   """jax's warp-specialised pipeline over k_shard for one CTA tile (the mainloop)."""
   c = k.config
-  in_transforms = _swizzled(c.tile_k, k.x.dtype)
+  in_transforms = _swizzled(c.operand_swizzle_cols, k.x.dtype)
   return plgpu.emit_pipeline_warp_specialized(
       pipeline_body,
       grid=(k.x.shape[1] // c.tile_k,),

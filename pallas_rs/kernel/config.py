@@ -3,6 +3,7 @@ another (numerics, warpgroup split, SMEM fit); the default choice is defaults.py
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu
 
@@ -224,6 +225,14 @@ class Config:
     return self.comm_mode == "owner" or (self.comm_ctas > 0 and self.comm_mode == "pull")
 
   @property
+  def operand_swizzle_cols(self) -> int:
+    """bf16 columns of the x and w blocks' SMEM swizzle tile: 64 (the 128 B swizzle) where
+    tile_n is a multiple of 64, else 32 (64 B). w's block splits between the warpgroups at
+    column tile_n, on a swizzle tile, and wgmma takes both operands with one swizzle: a
+    96-column warpgroup tile (a 128 x 192 CTA tile split along N) lowers only with 64 B."""
+    return 64 if self.tile_n % 64 == 0 else 32
+
+  @property
   def partial_itemsize(self) -> int:
     return 4 if self.partial_dtype == "float32" else 2
 
@@ -301,10 +310,9 @@ class Config:
           f"(tile_n={self.tile_n}, wg_dimension={self.wg_dimension.name})")
     if k_shard % self.tile_k:
       raise NotImplementedError(f"{k_shard=} is not a multiple of tile_k={self.tile_k}")
-    if not wg_split_aligned(self.tile_n, self.wg_dimension):
+    if self.tile_n % 32:
       raise NotImplementedError(
-          f"tile_n={self.tile_n} with the warpgroups side by side along N must be a multiple "
-          "of 64; wg_dimension=M takes it")
+          f"tile_n={self.tile_n} must be a multiple of 32 (a 64 B swizzle tile of the operands)")
     if not self.fits_smem(num_devices):
       raise NotImplementedError(
           f"config needs {self.smem_bytes(num_devices)} B (compute CTA) and "
@@ -387,5 +395,6 @@ def fit_smem(cfg: Config, num_devices: int) -> Config:
 
 def epi_tile_n_for(tile_n: int, partial_dtype: str) -> int:
   """Epilogue sub-tile columns for `partial_dtype` partials (also the tuner's search space):
-  fp32 sub-tiles of 64 x 32 take the SMEM of bf16 64 x 64 ones."""
-  return min(32 if partial_dtype == "float32" else 64, tile_n)
+  fp32 sub-tiles of 64 x 32 take the SMEM of bf16 64 x 64 ones; narrower where they would not
+  divide tile_n (96: 32)."""
+  return math.gcd(32 if partial_dtype == "float32" else 64, tile_n)
