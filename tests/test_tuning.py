@@ -705,15 +705,18 @@ def test_default_tiles_follow_the_wave_model():
   c.check_shape(m=512, n=320, k_shard=1024, num_devices=2)
 
 
-def test_config_json_round_trip_of_tma_add():
+@pytest.mark.parametrize("flag", config_lib.BOOL_FIELDS)
+def test_config_json_round_trip_of_each_switch(flag):
   cfg = config_lib.with_numerics(config_lib.Config(tma_add=False), "unfused_order", 2)
-  cfg = dataclasses.replace(cfg, tma_add=True)
+  cfg = dataclasses.replace(cfg, **{flag: True})
   obj = json.loads(json.dumps(tuning.config_to_json(cfg)))
-  assert obj["tma_add"] is True and tuning.config_from_json(obj) == cfg
-  with pytest.raises(ValueError, match="tma_add"):
-    tuning.config_from_json(dict(obj, tma_add=1))
-  del obj["tma_add"]  # Entries written before the field existed read as without it.
-  assert not tuning.config_from_json(obj).tma_add
+  assert obj[flag] is True and tuning.config_from_json(obj) == cfg
+  with pytest.raises(ValueError, match=flag):
+    tuning.config_from_json(dict(obj, **{flag: 1}))
+  with pytest.raises(ValueError, match=flag):
+    config_lib.Config(**{flag: 1})
+  del obj[flag]  # Entries written before the field existed read as without it.
+  assert not getattr(tuning.config_from_json(obj), flag)
 
 
 def test_config_json_round_trip_names_the_dimensions():

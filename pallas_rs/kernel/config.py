@@ -24,6 +24,7 @@ COMM_COPY_BYTES = 32 * 1024
 # "fp32" (one rounding at the end) or "bf16_ring" (the unfused path's arithmetic and order).
 OWNER_SUMS = ("fp32", "bf16_ring")
 COMM_MODES = ("push", "pull", "owner")
+BOOL_FIELDS = ("tma_add", "interleave_steps")  # Config's on/off switches
 # The numerics modes users and the tuner choose between: name -> (partial_dtype, owner_sum).
 NUMERICS_MODES = {
     "fp32_partials": ("float32", "fp32"),
@@ -154,7 +155,7 @@ class Config:
     if self.owner_sum == "bf16_ring" and self.partial_dtype != "bfloat16":
       raise ValueError(f"owner_sum='bf16_ring' adds bf16 partials; partial_dtype="
                        f"{self.partial_dtype!r} must be 'bfloat16'")
-    for flag in ("tma_add", "interleave_steps"):
+    for flag in BOOL_FIELDS:
       if not isinstance(getattr(self, flag), bool):
         raise ValueError(f"{flag}={getattr(self, flag)!r} must be a bool")
     if self.tma_add and self.numerics == "bf16_partials":

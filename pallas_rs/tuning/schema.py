@@ -110,7 +110,7 @@ def config_from_json(obj: Mapping[str, Any]):
       if not isinstance(value, str):
         raise ValueError(f"config field {name}={value!r} must be a string")
       continue
-    if name in ("tma_add", "interleave_steps"):
+    if name in config_lib.BOOL_FIELDS:
       if not isinstance(value, bool):
         raise ValueError(f"config field {name}={value!r} must be a bool")
       continue
