@@ -19,6 +19,7 @@
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh order    # M = 8192/32768 (seed, proxy8): retune the tile order
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh owner_pull  # the owner's epilogue pulls (comm_mode "owner") vs push / comm CTAs
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh chains   # 4 GPUs: the ring chain / sum slot (D > 2) vs receive slots / direct push
+#   OUT=/tmp/mg bash experiments/run_multi_gpu.sh pull_wm  # 4 GPUs, M = 512: 4 pulling CTAs + TMA add + the M split vs the table
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh alone    # one GPU is enough: one rank's program alone
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh stall    # each warpgroup split with/without the TMA add, hangs isolated
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh stall_which   # the split or the 256-column wgmma: which stalls
@@ -168,6 +169,20 @@ mixtral8x22b_w2_m2048,llama70b_o_proj_m8192,llama70b_o_proj_m8192_proxy8 2>&1 | 
       --configs=ring,p4_ring,p4_ring_tadd,f32,p4_f32,p4_f32_tadd --ablations=fused \
       --iterations=30 --names=llama70b_o_proj_m2048,mixtral8x22b_w2_m2048,llama70b_o_proj_m8192 \
       2>&1 | quiet | tail -24 ;;
+  pull_wm)
+    # D > 2 (four GPUs), M = 512: four pulling comm CTAs chaining the adds into the output (the
+    # ring's numerics) leave the compute CTAs the GEMM core, and the add lets NVLink take the M
+    # split's tiles (128 x 192 for Mixtral's N = 6144, 128 x 256 for Llama's 8192): one rank
+    # alone 8-37% less local work than the table's (BUILD_NOTES 2026-12-02, sixteenth session).
+    # Their bits over NVLink first, then the time (fused, and without communication: exposed).
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -m multigpu \
+      tests/test_fused_multigpu.py -k chained_adds 2>&1 | tail -4
+    timeout 200 python3 experiments/ablate.py --out="$out/ablate_pull_wm_mixtral.json" \
+      --configs=table,p4_ring_tadd_t64x192_wm,p4_ring_tadd --ablations=fused,no_comm \
+      --iterations=50 --names=mixtral8x22b_o_proj_m512,mixtral8x22b_w2_m512 2>&1 | quiet | tail -16
+    timeout 160 python3 experiments/ablate.py --out="$out/ablate_pull_wm_llama.json" \
+      --configs=table,p4_ring_tadd_t64x256_wm,p4_ring_tadd --ablations=fused,no_comm \
+      --iterations=50 --names=llama70b_o_proj_m512,llama70b_down_proj_m512 2>&1 | quiet | tail -16 ;;
   timeline)
     # Issue 19: where a small-M call's time goes (Mosaic GPU profiler traces under $out/traces).
     timeout 400 python3 experiments/timeline.py --configs=table --trace_dir="$out/traces" \
@@ -247,7 +262,7 @@ mixtral8x22b_w2_m512,llama70b_o_proj_m2048,mixtral8x22b_o_proj_m2048 \
         | cut -c1-200 | head -12
     done ;;
   *) echo "usage: $0 check|sweep|proxy8|ablate|probe|numerics|model|ag|roofline|mesh2d|smallm|\
-smallm_proxy8|timeline|tiles|order|owner|owner_pull|chains|alone|stall|stall_which|stall_ablate|\
-stall_loopback" >&2
+smallm_proxy8|timeline|tiles|order|owner|owner_pull|chains|pull_wm|alone|stall|stall_which|\
+stall_ablate|stall_loopback" >&2
      exit 2 ;;
 esac

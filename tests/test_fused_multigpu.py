@@ -15,6 +15,7 @@ import pallas_rs
 from pallas_rs import reference
 from pallas_rs.kernel import config as config_lib
 from pallas_rs.kernel import defaults
+from pallas_rs.kernel import fused
 from pallas_rs.bench import shapes
 from pallas_rs.bench import testing
 
@@ -121,6 +122,24 @@ def test_chained_adds_bit_identical_over_nvlink(d, numerics):
       defaults.default_config(m=m, n=n, k_shard=k // d, num_devices=d)), numerics, d), d)
   chained = dataclasses.replace(base, comm_ctas=4, comm_mode="pull", tma_add=True)
   _same_bits_over_nvlink(d, m, n, k, base, chained, 21000)
+
+
+@pytest.mark.parametrize("d", [d for d in _device_counts() if d > 2])
+def test_chained_adds_with_the_m_split_bit_identical_over_nvlink(d):
+  # With the TMA add into the output (the ring's numerics; fp32 partials keep a sum slot that
+  # the owner loads, which fused.nvlink_unverified refuses under the M split) NVLink takes the
+  # M split: 4 pulling comm CTAs chaining the adds under 128 x 192 CTA tiles of two 64 x 192
+  # warpgroup tiles, the direct push's bits with the N split. One rank alone it leaves the
+  # compute CTAs 8-37% less work (BUILD_NOTES 2026-12-02); run_multi_gpu.sh pull_wm times it.
+  m, n, k = 128 * d, 1536, 1024 * d
+  base = config_lib.fit_smem(config_lib.with_numerics(config_lib.with_wg_along_n(
+      defaults.default_config(m=m, n=n, k_shard=k // d, num_devices=d)), "unfused_order", d), d)
+  m_split = config_lib.fit_smem(dataclasses.replace(
+      base, tile_m=64, tile_n=192, wg_dimension=config_lib.MatmulDimension.M, comm_ctas=4,
+      comm_mode="pull", tma_add=True), d)
+  assert (m_split.cta_tile_m, m_split.cta_tile_n) == (128, 192)
+  assert fused.nvlink_unverified(m_split, d) is None
+  _same_bits_over_nvlink(d, m, n, k, base, m_split, 22000)
 
 
 @pytest.mark.parametrize("d", _device_counts())
