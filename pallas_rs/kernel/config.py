@@ -34,8 +34,11 @@ NUMERICS_MODES = {
 
 
 def wg_split_aligned(tile_n: int, wg_dimension) -> bool:
-  """Whether w's SMEM block splits between the warpgroups: along N at column tile_n, on the
-  128-byte swizzle's 64-column tiles (Mosaic GPU refuses other slices). Config and jax's too."""
+  """Whether w's SMEM block splits between the warpgroups at the 128-byte swizzle: along N at
+  column tile_n, on its 64-column tiles (Mosaic GPU refuses other slices). jax's kernel
+  (ag_matmul) and `with_wg_along_n` keep to it; Config also takes 32-column multiples at the
+  64-byte swizzle (Config.operand_swizzle_cols), which lower but ran slower (BUILD_NOTES
+  2026-12-02)."""
   return MatmulDimension(wg_dimension) == MatmulDimension.M or tile_n % 64 == 0
 
 
@@ -313,7 +316,8 @@ class Config:
       raise NotImplementedError(f"{k_shard=} is not a multiple of tile_k={self.tile_k}")
     if self.tile_n % 32:
       raise NotImplementedError(
-          f"tile_n={self.tile_n} must be a multiple of 32 (a 64 B swizzle tile of the operands)")
+          f"tile_n={self.tile_n} must be a multiple of 32: the x and w blocks take the 128 B "
+          "or the 64 B swizzle (Config.operand_swizzle_cols: 64 or 32 columns)")
     if not self.fits_smem(num_devices):
       raise NotImplementedError(
           f"config needs {self.smem_bytes(num_devices)} B (compute CTA) and "
