@@ -126,6 +126,35 @@ def test_step_pytest_selections_select_tests(calls, mode):
                                  f"{proc.stdout[-2000:]}"
 
 
+# Steps that time configs over NVLink on four GPUs, every (shape, config) of them meant to run:
+# one that NVLink refuses (fused.nvlink_unverified) or the kernel cannot take would cost a
+# device call to find. (The pull itself needs jax >= 0.11.2, which this CPU machine lacks.)
+_NVLINK_D4_STEPS = ("pull_wm",)
+
+
+@pytest.mark.parametrize("mode", _NVLINK_D4_STEPS)
+def test_four_gpu_step_configs_run_over_nvlink(calls, mode):
+  variants = helpers.load_script("config_variants")  # (no flags: nothing to forget)
+  from pallas_rs.bench import shapes  # pylint: disable=g-import-not-at-top
+  from pallas_rs.kernel import fused  # pylint: disable=g-import-not-at-top
+  d, checked = 4, 0
+  for call in _script_calls(calls[mode][0]):
+    if Path(call[0]).stem != "ablate":
+      continue
+    args = dict(a[2:].split("=", 1) for a in call[1:] if "=" in a)
+    assert "unverified" not in args, call
+    for name in args["names"].split(","):
+      case = shapes.by_name(name)
+      base = variants.tuned_config(m=case.m, k_shard=case.k // d, n=case.n, dtype="bfloat16",
+                          num_devices=d)
+      for variant in args["configs"].split(","):
+        cfg = variants.variant_config(base, variant)
+        cfg.check_shape(m=case.m, n=case.n, k_shard=case.k // d, num_devices=d)
+        assert fused.nvlink_unverified(cfg, d) is None, (mode, name, variant)
+        checked += 1
+  assert checked
+
+
 def test_a_misspelt_shape_or_variant_stops_the_script_before_it_runs():
   for argv, match in ((["--names=llama70b_o_proj_m51"], "--names: not a shape.*m51"),
                       (["--configs=table,p4_rnig"], "--configs: unknown variant token 'rnig'"),
