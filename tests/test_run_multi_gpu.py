@@ -129,7 +129,7 @@ def test_step_pytest_selections_select_tests(calls, mode):
 # Steps that time configs over NVLink on four GPUs, every (shape, config) of them meant to run:
 # one that NVLink refuses (fused.nvlink_unverified) or the kernel cannot take would cost a
 # device call to find. (The pull itself needs jax >= 0.11.2, which this CPU machine lacks.)
-_NVLINK_D4_STEPS = ("pull_wm",)
+_NVLINK_D4_STEPS = ("pull_wm", "chains")
 
 
 @pytest.mark.parametrize("mode", _NVLINK_D4_STEPS)
