@@ -31,8 +31,7 @@ def variant_config(base, name: str):
   side along M / N: config.wg_dimension), sK (K pipeline steps), rK (K receive prefetch stages
   of the owner's sum: recv_stages), eK (epilogue sub-tiles K columns wide), tadd (the owner's
   sum by TMA add: tma_add; D = 2 in the ring's numerics, D > 2 with pN, ring or fp32 partials),
-  noadd (tma_add off), mo (each step's wgmma left running while the next is issued:
-  mma_overlap), il / st (the
+  noadd (tma_add off), il / st (the
   remote steps interleaved tile by tile / one after the other: interleave_steps), f32 / bf16
   (partial dtype), ring (numerics mode "unfused_order"), gK (tile order: snake bands K tiles
   wide, grid_tile_width), gm / gn (the bands' minor dimension M / N: grid_minor_dim); then
@@ -98,7 +97,6 @@ _TOKENS = (
     (r"r(\d+)", _int_field("recv_stages")),
     (r"e(\d+)", _int_field("epi_tile_n")),
     (r"tadd|noadd", lambda cfg, match, lib: dataclasses.replace(cfg, tma_add=match[0] == "tadd")),
-    (r"mo", lambda cfg, match, lib: dataclasses.replace(cfg, mma_overlap=True)),
     (r"il|st", lambda cfg, match, lib: dataclasses.replace(
         cfg, interleave_steps=match[0] == "il")),
     (r"f32|bf16", lambda cfg, match, lib: lib.with_partial_dtype(

@@ -291,21 +291,6 @@ def test_interleaved_steps_change_no_bit(d, m, comm):
              d, m, n, k_shard, seed=14000 + 10 * d)
 
 
-# Each step's wgmma left running while the next is issued (Config.mma_overlap, jax's
-# delay_release) adds the same products in the same order: every bit as without it, across
-# tiles of a persistent CTA (the pipeline's barriers carried from one tile's pipeline to the
-# next), at D = 2 in the ring's numerics with the TMA add, D = 4 with fp32 partials and pulling
-# comm CTAs, and D = 8 with pairs.
-@pytest.mark.parametrize("d,m,comm", [(2, 4096, {}), (4, 4096, dict(comm_ctas=2, comm_mode="pull")),
-                                      (8, 512, {})])
-def test_mma_overlap_changes_no_bit(d, m, comm):
-  n, k_shard = 2048, 1024
-  base = config_lib.fit_smem(dataclasses.replace(defaults.default_config(
-      m=m, n=n, k_shard=k_shard, num_devices=d), **comm), d)
-  _same_bits([dataclasses.replace(base, mma_overlap=flag) for flag in (False, True)],
-             d, m, n, k_shard, seed=14500 + 10 * d)
-
-
 # The tile order within a step (grid_minor_dim / grid_tile_width; the default takes row bands 8
 # tiles high where they cut a wave's reads: defaults._tile_order) changes when a tile is
 # computed, not what it adds: every bit as with column bands, with partial bands (width 3), at

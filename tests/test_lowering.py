@@ -631,16 +631,6 @@ def test_pairs_lower(d):
     _export_shard_map(512, 8192, 8192, 8, config=cfg, unverified=True)
 
 
-@pytest.mark.parametrize("d", [2, 8])
-def test_mma_overlap_lowers_and_reaches_the_kernel(d):
-  # Config.mma_overlap: jax's delay_release=1 on both operands and wgmma_wait(1) per step.
-  m, n, k_shard = 128 * d, 1024, 512
-  base = defaults.default_config(m=m, n=n, k_shard=k_shard, num_devices=d)
-  on, off = (_export_shard_map(m, n, k_shard * d, d, config=dataclasses.replace(
-      base, mma_overlap=flag)).mlir_module() for flag in (True, False))
-  assert on != off
-
-
 def test_interleaved_walk_reaches_the_kernel():
   # The GPU test compares the two walks' bits, which would also agree if the flag never reached
   # the kernel: here the lowered modules must differ where the walk does (D = 8) and be the

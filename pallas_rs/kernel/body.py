@@ -95,16 +95,15 @@ def _pipeline(k: Rank, pipeline_body, compute_context):
   """jax's warp-specialised pipeline over k_shard for one CTA tile (the mainloop)."""
   c = k.config
   in_transforms = _swizzled(c.operand_swizzle_cols, k.x.dtype)
-  delay = dict(delay_release=1) if c.mma_overlap else {}
   return plgpu.emit_pipeline_warp_specialized(
       pipeline_body,
       grid=(k.x.shape[1] // c.tile_k,),
       memory_registers=40,
       in_specs=[
           plgpu.BlockSpec((c.cta_tile_m, c.tile_k), lambda kk: (0, kk),
-                          transforms=in_transforms, memory_space=plgpu.SMEM, **delay),
+                          transforms=in_transforms, memory_space=plgpu.SMEM),
           plgpu.BlockSpec((c.tile_k, c.cta_tile_n), lambda kk: (kk, 0),
-                          transforms=in_transforms, memory_space=plgpu.SMEM, **delay),
+                          transforms=in_transforms, memory_space=plgpu.SMEM),
       ],
       wg_axis="wg",
       num_compute_wgs=_NUM_COMPUTE_WGS,
@@ -164,8 +163,6 @@ def _compute_program(k: Rank, scoped: dict, cta_index, num_compute):
         def _acc_scope(acc_ref):
           with jax.named_scope("mainloop"):
             eval_pipeline(acc_ref)
-            if c.mma_overlap:  # The last step's wgmma, left running by mma_body.
-              plgpu.wgmma_wait(0)
           # The previous tile's stores had this tile's whole mainloop to land.
           plgpu.wait_smem_to_gmem(0, wait_read_only=False)
           epi.announce_deferred(lin_idx - num_compute, lambda: local_step > 0)
@@ -198,7 +195,7 @@ def _compute_program(k: Rank, scoped: dict, cta_index, num_compute):
 
       def mma_body(_, x_smem, w_smem, acc_ref):
         plgpu.wgmma(acc_ref, x_smem.at[wg_x], w_smem.at[:, wg_w])
-        plgpu.wgmma_wait(int(c.mma_overlap))  # (the pipeline frees the step it waited for)
+        plgpu.wgmma_wait(0)
         return acc_ref
 
       if not k.hooks.gemm:

@@ -24,7 +24,7 @@ COMM_COPY_BYTES = 32 * 1024
 # "fp32" (one rounding at the end) or "bf16_ring" (the unfused path's arithmetic and order).
 OWNER_SUMS = ("fp32", "bf16_ring")
 COMM_MODES = ("push", "pull", "owner")
-BOOL_FIELDS = ("tma_add", "interleave_steps", "mma_overlap")  # Config's on/off switches
+BOOL_FIELDS = ("tma_add", "interleave_steps")  # Config's on/off switches
 # The numerics modes users and the tuner choose between: name -> (partial_dtype, owner_sum).
 NUMERICS_MODES = {
     "fp32_partials": ("float32", "fp32"),
@@ -96,8 +96,6 @@ class Config:
       owner loads once instead of D - 1 times (`sum_slot`).
     interleave_steps: the remote steps walked tile by tile, step fastest (the own step still
       last; schedule.step_and_tile): a wave reads fewer columns of w where a step is one row.
-    mma_overlap: each k step's wgmma left running while the next is issued (the pipeline frees
-      a step's x and w blocks one step later, jax's delay_release=1: one slot fewer ahead).
   """
   tile_m: int = 128
   tile_n: int = 128
@@ -118,7 +116,6 @@ class Config:
   comm_mode: str = "push"
   tma_add: bool = False
   interleave_steps: bool = False
-  mma_overlap: bool = False
 
   def __post_init__(self):
     tile_m, tile_n, tile_k = self.tile_m, self.tile_n, self.tile_k
