@@ -145,8 +145,8 @@ def test_four_gpu_step_configs_run_over_nvlink(calls, mode):
     assert "unverified" not in args, call
     for name in args["names"].split(","):
       case = shapes.by_name(name)
-      base = variants.tuned_config(m=case.m, k_shard=case.k // d, n=case.n, dtype="bfloat16",
-                          num_devices=d)
+      base = variants.tuned_config(m=case.m, k_shard=case.k // d, n=case.n,
+                                   dtype="bfloat16", num_devices=d)
       for variant in args["configs"].split(","):
         cfg = variants.variant_config(base, variant)
         cfg.check_shape(m=case.m, n=case.n, k_shard=case.k // d, num_devices=d)
