@@ -182,7 +182,8 @@ mixtral8x22b_w2_m2048,llama70b_o_proj_m8192,llama70b_o_proj_m8192_proxy8 2>&1 | 
       --iterations=50 --names=mixtral8x22b_o_proj_m512,mixtral8x22b_w2_m512 2>&1 | quiet | tail -16
     timeout 160 python3 experiments/ablate.py --out="$out/ablate_pull_wm_llama.json" \
       --configs=table,p4_ring_tadd_t64x256_wm,p4_ring_tadd --ablations=fused,no_comm \
-      --iterations=50 --names=llama70b_o_proj_m512,llama70b_down_proj_m512 2>&1 | quiet | tail -16 ;;
+      --iterations=50 --names=llama70b_o_proj_m512,llama70b_down_proj_m512 2>&1 \
+      | quiet | tail -16 ;;
   timeline)
     # Issue 19: where a small-M call's time goes (Mosaic GPU profiler traces under $out/traces).
     timeout 400 python3 experiments/timeline.py --configs=table --trace_dir="$out/traces" \
