@@ -183,7 +183,7 @@ def tile_variants(base: Config, *, m: int, n: int, k_shard: int, num_devices: in
   return _fitting([base, challenger] + [
       dataclasses.replace(challenger, tile_m=tile_m, tile_n=tile_n,
                           wg_dimension=config_lib.MatmulDimension[wg],
-                          epi_tile_n=min(base.epi_tile_n, tile_n))
+                          epi_tile_n=math.gcd(base.epi_tile_n, tile_n))
       for tile_m, tile_n, wg in TILE_VARIANTS], m=m, n=n, k_shard=k_shard,
       num_devices=num_devices)
 
