@@ -674,6 +674,9 @@ def test_tile_variants_keep_the_comm_path_and_fill_the_sms():
   pull = dataclasses.replace(config_lib.Config(tile_m=64), comm_ctas=2, comm_mode="pull")
   assert all(c.cta_tile_m == 64 for c in candidates.tile_variants(
       pull, m=512, n=8192, k_shard=1024, num_devices=8))
+  # Mixtral's n = 6144 in one wave of 64 x 384 tiles (8 chunks x 16) beside the pulling CTAs.
+  got = candidates.tile_variants(pull, m=512, n=6144, k_shard=768, num_devices=8)
+  assert (64, 384) in [(c.cta_tile_m, c.cta_tile_n) for c in got]
   # tma_add=True: the incumbent as it is, then its own tiles and every other with the TMA add.
   got = candidates.tile_variants(base, m=512, n=6144, k_shard=8192, num_devices=2, tma_add=True)
   assert got[0] == base and got[1] == dataclasses.replace(base, tma_add=True)
