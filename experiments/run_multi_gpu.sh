@@ -174,7 +174,8 @@ mixtral8x22b_w2_m2048,llama70b_o_proj_m8192,llama70b_o_proj_m8192_proxy8 2>&1 | 
     # ring's numerics) leave the compute CTAs the GEMM core, and the add lets NVLink take the M
     # split's tiles (128 x 192 for Mixtral's N = 6144, 128 x 256 for Llama's 8192): one rank
     # alone 8-37% less local work than the table's (BUILD_NOTES 2026-12-02, sixteenth session).
-    # Their bits over NVLink first, then the time (fused, and without communication: exposed).
+    # Their bits over NVLink first (also 64 x 384 tiles over 64-row chunks, D = 8's M = 512 path
+    # without pairs: seventeenth session), then the time (fused, and without communication).
     timeout 200 python3 -m pytest -q -p no:cacheprovider -m multigpu \
       tests/test_fused_multigpu.py -k chained_adds 2>&1 | tail -4
     timeout 200 python3 experiments/ablate.py --out="$out/ablate_pull_wm_mixtral.json" \

@@ -142,6 +142,25 @@ def test_chained_adds_with_the_m_split_bit_identical_over_nvlink(d):
   _same_bits_over_nvlink(d, m, n, k, base, m_split, 22000)
 
 
+@pytest.mark.parametrize("d", [d for d in _device_counts() if d > 2])
+def test_chained_adds_under_64_row_wide_tiles_bit_identical_over_nvlink(d):
+  # 64-row chunks (M = 64 D: D = 8's M = 512) without pairs: 64 x 384 CTA tiles (two 64 x 192
+  # warpgroup tiles along N) beside 4 pulling comm CTAs chaining the adds in ring order. One
+  # D = 8 rank alone they leave Mixtral 9-25% less local work than pairs (BUILD_NOTES
+  # 2026-12-02, seventeenth session). The direct push's bits under 64 x 256 tiles.
+  m, n, k = 64 * d, 1536, 1024 * d
+  make = lambda **kw: config_lib.fit_smem(config_lib.with_numerics(
+      config_lib.Config(tile_m=64, wg_dimension=config_lib.MatmulDimension.N, **kw),
+      "unfused_order", d), d)
+  base = make(tile_n=128)
+  wide = config_lib.fit_smem(dataclasses.replace(
+      make(tile_n=192, comm_ctas=4, comm_mode="pull"), tma_add=True), d)
+  assert (base.comm_mode, base.comm_ctas, base.tma_add) == ("push", 0, False)
+  assert (wide.cta_tile_m, wide.cta_tile_n, wide.chunk_group(m, d)) == (64, 384, 1)
+  assert fused.nvlink_unverified(wide, d) is None
+  _same_bits_over_nvlink(d, m, n, k, base, wide, 22500)
+
+
 @pytest.mark.parametrize("d", _device_counts())
 @pytest.mark.parametrize("numerics", list(config_lib.NUMERICS_MODES))
 def test_pairs_split_along_n_bit_identical_over_nvlink(d, numerics):
