@@ -177,14 +177,13 @@ mixtral8x22b_w2_m2048,llama70b_o_proj_m8192,llama70b_o_proj_m8192_proxy8 2>&1 | 
     # Their bits over NVLink first (also 64 x 384 tiles over 64-row chunks, D = 8's M = 512 path
     # without pairs: seventeenth session), then the time (fused, and without communication).
     # Mixtral's 128 x 192 tiles are one wave (4 chunks x 32 on 128 compute CTAs), so their pulls
-    # start when it ends; 64 x 256 ones (t64x128_wn) make 1.5 waves: which is faster fused.
-    timeout 180 python3 -m pytest -q -p no:cacheprovider -m multigpu \
+    # start when it ends (1.5-wave tiles cost more local work than they would hide: BUILD_NOTES, seventeenth session).
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -m multigpu \
       tests/test_fused_multigpu.py -k chained_adds 2>&1 | tail -4
-    timeout 250 python3 experiments/ablate.py --out="$out/ablate_pull_wm_mixtral.json" \
-      --configs=table,p4_ring_tadd_t64x192_wm,p4_ring_tadd_t64x128_wn,p4_ring_tadd \
-      --ablations=fused,no_comm \
-      --iterations=50 --names=mixtral8x22b_o_proj_m512,mixtral8x22b_w2_m512 2>&1 | quiet | tail -20
-    timeout 150 python3 experiments/ablate.py --out="$out/ablate_pull_wm_llama.json" \
+    timeout 200 python3 experiments/ablate.py --out="$out/ablate_pull_wm_mixtral.json" \
+      --configs=table,p4_ring_tadd_t64x192_wm,p4_ring_tadd --ablations=fused,no_comm \
+      --iterations=50 --names=mixtral8x22b_o_proj_m512,mixtral8x22b_w2_m512 2>&1 | quiet | tail -16
+    timeout 160 python3 experiments/ablate.py --out="$out/ablate_pull_wm_llama.json" \
       --configs=table,p4_ring_tadd_t64x256_wm,p4_ring_tadd --ablations=fused,no_comm \
       --iterations=50 --names=llama70b_o_proj_m512,llama70b_down_proj_m512 2>&1 \
       | quiet | tail -16 ;;
