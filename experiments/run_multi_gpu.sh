@@ -177,7 +177,8 @@ mixtral8x22b_w2_m2048,llama70b_o_proj_m8192,llama70b_o_proj_m8192_proxy8 2>&1 | 
     # Their bits over NVLink first (also 64 x 384 tiles over 64-row chunks, D = 8's M = 512 path
     # without pairs: seventeenth session), then the time (fused, and without communication).
     # Mixtral's 128 x 192 tiles are one wave (4 chunks x 32 on 128 compute CTAs), so their pulls
-    # start when it ends (1.5-wave tiles cost more local work than they would hide: BUILD_NOTES, seventeenth session).
+    # start when it ends (1.5-wave tiles cost more local work than they would hide: BUILD_NOTES
+    # 2026-12-02, seventeenth session).
     timeout 200 python3 -m pytest -q -p no:cacheprovider -m multigpu \
       tests/test_fused_multigpu.py -k chained_adds 2>&1 | tail -4
     timeout 200 python3 experiments/ablate.py --out="$out/ablate_pull_wm_mixtral.json" \
