@@ -7,7 +7,6 @@ tiles, a 4-step pipeline); the usual base is `tuned_config`.
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 
 
@@ -60,10 +59,7 @@ def _parse(token: str, name: str):
 
 
 def _tile(cfg, match, lib):
-  del lib
-  tile_m, tile_n = int(match[1]), int(match[2])
-  return dataclasses.replace(cfg, tile_m=tile_m, tile_n=tile_n,
-                             epi_tile_n=math.gcd(cfg.epi_tile_n, tile_n))
+  return lib.with_tile(cfg, int(match[1]), int(match[2]))
 
 
 def _owner(cfg, match, lib):

@@ -373,6 +373,15 @@ def with_numerics(cfg: Config, mode: str, num_devices: int) -> Config:
       out, tma_add=cfg.tma_add and out.tma_add_can_run(num_devices)), num_devices)
 
 
+def with_tile(cfg: Config, tile_m: int, tile_n: int, wg_dimension=None) -> Config:
+  """`cfg` with warpgroup tiles of tile_m x tile_n, side by side along `wg_dimension` (default:
+  cfg's), its epilogue sub-tile narrowed to divide tile_n; the caller fits SMEM and checks the
+  shape."""
+  wg = cfg.wg_dimension if wg_dimension is None else MatmulDimension(wg_dimension)
+  return dataclasses.replace(cfg, tile_m=tile_m, tile_n=tile_n, wg_dimension=wg,
+                             epi_tile_n=math.gcd(cfg.epi_tile_n, tile_n))
+
+
 def with_wg_along_n(cfg: Config) -> Config:
   """`cfg` with the same CTA tile, its two warpgroup tiles side by side along N (what NVLink
   runs without the TMA add: fused.nvlink_unverified); NotImplementedError where half the CTA
@@ -382,9 +391,7 @@ def with_wg_along_n(cfg: Config) -> Config:
   if not wg_split_aligned(cfg.cta_tile_n // 2, MatmulDimension.N):
     raise NotImplementedError(f"a {cfg.cta_tile_m} x {cfg.cta_tile_n} CTA tile cannot split "
                               "along N (half its columns must be a multiple of 64)")
-  return dataclasses.replace(cfg, tile_m=cfg.cta_tile_m, tile_n=cfg.cta_tile_n // 2,
-                             wg_dimension=MatmulDimension.N,
-                             epi_tile_n=min(cfg.epi_tile_n, cfg.cta_tile_n // 2))
+  return with_tile(cfg, cfg.cta_tile_m, cfg.cta_tile_n // 2, MatmulDimension.N)
 
 
 def fit_smem(cfg: Config, num_devices: int) -> Config:

@@ -164,16 +164,17 @@ def _fitting(configs, *, m: int, n: int, k_shard: int, num_devices: int) -> list
   return out
 
 
-# (tile_m, tile_n, wg_dimension) tried by tile_variants: CTA tiles 128 x 256, 64 x 256, 64 x 384,
-# 128 x 128 (warpgroups side by side along N), 128 x 256, 128 x 192, 128 x 128 and 256 x 128
-# (along M). At small M the tile count decides how full one wave is (Mixtral w2 M = 512 at D =
-# 2: 96 tiles of 128 x 256 on 132 SMs, 128 of 128 x 192: 79 vs 66 us on one H200) and whether
-# there is a second wave for the transfer to hide under (128 x 128: two waves where 128 x 256
-# makes one). 64 x 384 is for 64-row chunks without pairs (D = 8, M = 512): one wave of 128 tiles
-# beside four pulling CTAs, 9-25% less local work than the table's pairs on Mixtral (one rank
-# alone, BUILD_NOTES 2026-12-02, seventeenth session).
-TILE_VARIANTS = ((128, 128, "N"), (64, 128, "N"), (64, 192, "N"), (128, 64, "N"), (64, 256, "M"),
-                 (64, 192, "M"), (64, 128, "M"), (128, 128, "M"))
+# (tile_m, tile_n, wg_dimension) tried by tile_variants: CTA tiles 128 x 256, 64 x 256, 128 x 128
+# (warpgroups side by side along N), 128 x 256, 128 x 192, 128 x 128 and 256 x 128 (along M),
+# then 64 x 384 (along N). At small M the tile count decides how full one wave is (Mixtral w2
+# M = 512 at D = 2: 96 tiles of 128 x 256 on 132 SMs, 128 of 128 x 192: 79 vs 66 us on one H200)
+# and whether there is a second wave for the transfer to hide under (128 x 128: two waves where
+# 128 x 256 makes one). 64 x 384 is for 64-row chunks without pairs (D = 8, M = 512): one wave of
+# 128 tiles beside four pulling CTAs, 9-25% less local work than the table's pairs on Mixtral
+# (one rank alone, BUILD_NOTES 2026-12-02, seventeenth session); last, so that lists cut at
+# --max_configs (ag_tile_variants) keep the tiles they had.
+TILE_VARIANTS = ((128, 128, "N"), (64, 128, "N"), (128, 64, "N"), (64, 256, "M"),
+                 (64, 192, "M"), (64, 128, "M"), (128, 128, "M"), (64, 192, "N"))
 
 
 def tile_variants(base: Config, *, m: int, n: int, k_shard: int, num_devices: int,
@@ -184,9 +185,7 @@ def tile_variants(base: Config, *, m: int, n: int, k_shard: int, num_devices: in
   owner's sum, `base`'s tiles with it among them, so that one retune weighs both."""
   challenger = base if tma_add is None else dataclasses.replace(base, tma_add=tma_add)
   return _fitting([base, challenger] + [
-      dataclasses.replace(challenger, tile_m=tile_m, tile_n=tile_n,
-                          wg_dimension=config_lib.MatmulDimension[wg],
-                          epi_tile_n=math.gcd(base.epi_tile_n, tile_n))
+      config_lib.with_tile(challenger, tile_m, tile_n, config_lib.MatmulDimension[wg])
       for tile_m, tile_n, wg in TILE_VARIANTS], m=m, n=n, k_shard=k_shard,
       num_devices=num_devices)
 
