@@ -710,6 +710,7 @@ def test_default_tiles_follow_the_wave_model():
 
 @pytest.mark.parametrize("flag", config_lib.BOOL_FIELDS)
 def test_config_json_round_trip_of_each_switch(flag):
+  assert {"tma_add", "interleave_steps"} <= set(config_lib.BOOL_FIELDS)  # read off Config
   cfg = config_lib.with_numerics(config_lib.Config(tma_add=False), "unfused_order", 2)
   cfg = dataclasses.replace(cfg, **{flag: True})
   obj = json.loads(json.dumps(tuning.config_to_json(cfg)))

@@ -24,7 +24,6 @@ COMM_COPY_BYTES = 32 * 1024
 # "fp32" (one rounding at the end) or "bf16_ring" (the unfused path's arithmetic and order).
 OWNER_SUMS = ("fp32", "bf16_ring")
 COMM_MODES = ("push", "pull", "owner")
-BOOL_FIELDS = ("tma_add", "interleave_steps")  # Config's on/off switches
 # The numerics modes users and the tuner choose between: name -> (partial_dtype, owner_sum).
 NUMERICS_MODES = {
     "fp32_partials": ("float32", "fp32"),
@@ -330,6 +329,11 @@ class Config:
           f"comm_ctas={self.comm_ctas} leaves no compute CTA among the {ctas} CTAs of a "
           + (f"loopback rank (num_sms // num_devices = {self.num_sms} // {num_devices})"
              if loopback else "rank"))
+
+
+# Config's on/off switches (each checked to be a bool, here and in a tuning table's JSON), read
+# off the annotations so that a new one is checked without being listed.
+BOOL_FIELDS = tuple(f.name for f in dataclasses.fields(Config) if f.type in ("bool", bool))
 
 
 def tma_add_runs(num_devices: int, owner_sum: str, comm_ctas: int = 0,
