@@ -141,13 +141,15 @@ def test_four_gpu_step_configs_run_over_nvlink(calls, mode):
   for call in _script_calls(calls[mode][0]):
     if Path(call[0]).stem != "ablate":
       continue
-    args = dict(a[2:].split("=", 1) for a in call[1:] if "=" in a)
-    assert "unverified" not in args, call
-    for name in args["names"].split(","):
+    with _parsed("ablate", call[1:]):  # ablate's own flags: defaults and bare --unverified too
+      unverified, names, configs = (flags.FLAGS[f].value
+                                    for f in ("unverified", "names", "configs"))
+    assert not unverified, call
+    for name in names:
       case = shapes.by_name(name)
       base = variants.tuned_config(m=case.m, k_shard=case.k // d, n=case.n,
                                    dtype="bfloat16", num_devices=d)
-      for variant in args["configs"].split(","):
+      for variant in configs:
         cfg = variants.variant_config(base, variant)
         cfg.check_shape(m=case.m, n=case.n, k_shard=case.k // d, num_devices=d)
         assert fused.nvlink_unverified(cfg, d) is None, (mode, name, variant)
