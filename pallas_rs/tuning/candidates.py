@@ -219,7 +219,7 @@ def ag_tile_variants(m_shard: int, k: int, n: int) -> list:
   out = [base] if ag_matmul.tiling_problem(base, m_shard=m_shard, k=k, n=n) is None else []
   for tile_m, tile_n, wg in (*TILE_VARIANTS, (64, 64, "N")):
     cfg = dataclasses.replace(base, tile_m=tile_m, tile_n=tile_n,
-                              epi_tile_n=min(base.epi_tile_n, tile_n),
+                              epi_tile_n=math.gcd(base.epi_tile_n, tile_n),
                               wg_dimension=hopper_matmul_mgpu.MatmulDimension[wg])
     if cfg not in out and ag_matmul.tiling_problem(cfg, m_shard=m_shard, k=k, n=n) is None:
       out.append(cfg)
