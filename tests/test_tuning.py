@@ -708,9 +708,13 @@ def test_default_tiles_follow_the_wave_model():
   c.check_shape(m=512, n=320, k_shard=1024, num_devices=2)
 
 
+def test_bool_fields_are_read_off_config():
+  # Its own test: inside the parametrized one below, an empty BOOL_FIELDS would only skip.
+  assert {"tma_add", "interleave_steps"} <= set(config_lib.BOOL_FIELDS)
+
+
 @pytest.mark.parametrize("flag", config_lib.BOOL_FIELDS)
 def test_config_json_round_trip_of_each_switch(flag):
-  assert {"tma_add", "interleave_steps"} <= set(config_lib.BOOL_FIELDS)  # read off Config
   cfg = config_lib.with_numerics(config_lib.Config(tma_add=False), "unfused_order", 2)
   cfg = dataclasses.replace(cfg, **{flag: True})
   obj = json.loads(json.dumps(tuning.config_to_json(cfg)))
