@@ -380,7 +380,7 @@ def with_numerics(cfg: Config, mode: str, num_devices: int) -> Config:
 def with_tile(cfg: Config, tile_m: int, tile_n: int, wg_dimension=None) -> Config:
   """`cfg` with warpgroup tiles of tile_m x tile_n, side by side along `wg_dimension` (default:
   cfg's), its epilogue sub-tile narrowed to divide tile_n; the caller fits SMEM and checks the
-  shape."""
+  shape. Also takes jax's `hopper_matmul_mgpu.TuningConfig` (same fields: ag_tile_variants)."""
   wg = cfg.wg_dimension if wg_dimension is None else MatmulDimension(wg_dimension)
   return dataclasses.replace(cfg, tile_m=tile_m, tile_n=tile_n, wg_dimension=wg,
                              epi_tile_n=math.gcd(cfg.epi_tile_n, tile_n))

@@ -213,14 +213,11 @@ def ag_tile_variants(m_shard: int, k: int, n: int) -> list:
   64 x 128; those whose tiles do not cover the shape (`ag_matmul.tiling_problem`) left out.
   Each step of that kernel multiplies one gathered shard: at small M its default 128 x 256
   tiles give a few dozen tiles per step for 132 SMs (Llama o_proj M = 512 at D = 2: 32)."""
-  from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu  # pylint: disable=g-import-not-at-top
   from pallas_rs.kernel import ag_matmul  # pylint: disable=g-import-not-at-top
   base = ag_matmul.default_config(m_shard, n)
   out = [base] if ag_matmul.tiling_problem(base, m_shard=m_shard, k=k, n=n) is None else []
   for tile_m, tile_n, wg in (*TILE_VARIANTS, (64, 64, "N")):
-    cfg = dataclasses.replace(base, tile_m=tile_m, tile_n=tile_n,
-                              epi_tile_n=math.gcd(base.epi_tile_n, tile_n),
-                              wg_dimension=hopper_matmul_mgpu.MatmulDimension[wg])
+    cfg = config_lib.with_tile(base, tile_m, tile_n, config_lib.MatmulDimension[wg])
     if cfg not in out and ag_matmul.tiling_problem(cfg, m_shard=m_shard, k=k, n=n) is None:
       out.append(cfg)
   return out
