@@ -18,8 +18,8 @@ product, group by group (sharded P(("dp", "tp"), None)). Per seed shape (pallas_
   4. one timing row (pallas_rs.bench.timing, CUPTI): fused on the 2-D mesh (4 GPUs), fused on the 1-D
      D = 2 mesh (2 GPUs), unfused on the 2-D mesh.
 JSON (environment block, rows) under --out, a table last; exit code 1 if any check fails.
---lower_only exports the 2-D and 1-D fused programs for CUDA and stops (no GPU needed: on a
-machine without one, 8 host devices are forced).
+--lower_only exports the 2-D and 1-D fused programs for CUDA and stops, on 8 host devices on any
+machine (no GPU needed, and a machine with fewer than four lowers them too).
 """
 from __future__ import annotations
 
@@ -86,11 +86,11 @@ def require_gpus() -> None:
                          f"{jax.devices()}; --lower_only needs none")
 
 
-def make_meshes():
+def make_meshes(devices):
   """(dp, tp) = (2, 2) over devices 0-3, and the 1-D tp = 2 mesh over devices 0, 1 (both
   row-major, as the kernel needs). Auto axes: the fp32 reference is plain jnp on the global
   arrays, partitioned by XLA."""
-  devices, auto = jax.devices(), jax.sharding.AxisType.Auto
+  auto = jax.sharding.AxisType.Auto
   return (jax.make_mesh((G, D), AXES, devices=devices[:G * D], axis_types=(auto, auto)),
           jax.make_mesh((D,), ("tp",), devices=devices[:D], axis_types=(auto,)))
 
@@ -231,9 +231,15 @@ def check_flags() -> None:
 def main(argv):
   del argv
   check_flags()
-  if not _LOWER_ONLY.value:
+  if _LOWER_ONLY.value:
+    # Host devices, forced before jax starts its backends: a GPU machine does not force them
+    # (bench_env), and one with fewer than four GPUs would lower nothing.
+    jax.config.update("jax_num_cpu_devices", bench_env.SMOKE_DEVICES)
+    devices = jax.devices("cpu")
+  else:
     require_gpus()
-  mesh2, mesh1 = make_meshes()
+    devices = jax.devices()
+  mesh2, mesh1 = make_meshes(devices)
   record = dict(environment=bench_env.environment_block(sys.argv), mesh={"dp": G, "tp": D},
                 lower_only=_LOWER_ONLY.value, rows=[])
   start = time.time()

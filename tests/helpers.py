@@ -15,6 +15,7 @@ import functools
 import importlib.util
 import os
 from pathlib import Path
+import re
 import subprocess
 import sys
 
@@ -168,6 +169,24 @@ def assert_same_bits(want, got, name="") -> None:
   assert want.shape == got.shape, (name, want.shape, got.shape)
   mismatch = np.flatnonzero(want.view(np.uint16) != got.view(np.uint16))
   assert mismatch.size == 0, (name, mismatch.size, mismatch[:8])
+
+
+def record_kernel_modules(monkeypatch) -> list[str]:
+  """Patches Mosaic GPU's lowering rule to append each kernel module it lowers to the list
+  returned (asm without debug locations). jax 0.11.2 numbers the kernels that one process
+  lowers ("..._1", "..._2" in the module header): that suffix is dropped, so that two
+  lowerings of the same kernel compare equal on both jax versions."""
+  from jax.experimental.mosaic.gpu import core as mgpu_core  # pylint: disable=g-import-not-at-top
+  modules = []
+  rule = mgpu_core._mosaic_gpu_lowering_rule  # pylint: disable=protected-access
+
+  def recording(ctx, *args, module, **kw):
+    header, _, body = module.operation.get_asm(enable_debug_info=False).partition("\n")
+    modules.append(re.sub(r'_[0-9]+"', '"', header) + "\n" + body)
+    return rule(ctx, *args, module=module, **kw)
+
+  monkeypatch.setattr(mgpu_core, "_mosaic_gpu_lowering_rule", recording)
+  return modules
 
 
 REPO = Path(__file__).resolve().parents[1]

@@ -631,17 +631,22 @@ def test_pairs_lower(d):
     _export_shard_map(512, 8192, 8192, 8, config=cfg, unverified=True)
 
 
-def test_interleaved_walk_reaches_the_kernel():
+def test_interleaved_walk_reaches_the_kernel(monkeypatch):
   # The GPU test compares the two walks' bits, which would also agree if the flag never reached
-  # the kernel: here the lowered modules must differ where the walk does (D = 8) and be the
+  # the kernel: here the lowered kernels must differ where the walk does (D = 8) and be the
   # same where it cannot (D = 2: one remote step).
+  modules = helpers.record_kernel_modules(monkeypatch)
+
   def module(d, interleave):
     m, n, k = 64 * d, 512, 256 * d
     cfg = dataclasses.replace(
         defaults.default_config(m=m, n=n, k_shard=k // d, num_devices=d),
         interleave_steps=interleave)
-    return _export_shard_map(m, n, k, d, config=cfg).mlir_module()
+    before = len(modules)
+    _export_shard_map(m, n, k, d, config=cfg)
+    assert len(modules) == before + 1  # one kernel per program
+    return modules[-1]
 
   for d, differ in ((8, True), (2, False)):
-    on, off = (module(d, flag) for flag in (True, False))  # one call site: same locations
+    on, off = (module(d, flag) for flag in (True, False))
     assert (on != off) == differ, d

@@ -185,15 +185,7 @@ def test_scalar_device_id_does_not_lower_on_a_2d_mesh(monkeypatch):
 def test_1d_mesh_lowers_to_the_same_module_as_the_scalar_id(monkeypatch, d):
   """The dict id is used everywhere because on a 1-D mesh the kernel's Mosaic GPU module (debug
   locations aside) is identical to the scalar id's, the one run on two H200s."""
-  from jax.experimental.mosaic.gpu import core as mgpu_core  # pylint: disable=g-import-not-at-top
-  modules = []
-  rule = mgpu_core._mosaic_gpu_lowering_rule  # pylint: disable=protected-access
-
-  def recording(ctx, *args, module, **kw):
-    modules.append(module.operation.get_asm(enable_debug_info=False))
-    return rule(ctx, *args, module=module, **kw)
-
-  monkeypatch.setattr(mgpu_core, "_mosaic_gpu_lowering_rule", recording)
+  modules = helpers.record_kernel_modules(monkeypatch)
   tables = _export_fused((d,), ("x",), "x")
   check_peers(tables, (d,), ("x",), "x")
   monkeypatch.setattr(transport.NVLinkTransport, "_device_id",

@@ -1,4 +1,5 @@
-"""README.md's usage runs as written on a CPU machine (with the XLA_FLAGS it names)."""
+"""README.md's usage runs as written on 8 host devices (with the variables it exports), on a
+CPU machine and on a GPU machine alike."""
 import os
 from pathlib import Path
 import re
@@ -15,13 +16,14 @@ def _section(text: str, title: str) -> str:
 
 
 def _run_readme_code(tmp_path, section: str) -> str:
-  """The one python block of README section `section`, run with the Usage section's
-  XLA_FLAGS in a fresh interpreter; its stdout."""
+  """The one python block of README section `section`, run with the Usage section's exports
+  (XLA_FLAGS, JAX_PLATFORMS) in a fresh interpreter; its stdout."""
   text = (REPO / "README.md").read_text()
-  (flags,) = re.findall(r"export XLA_FLAGS=(\S+)", _section(text, "Usage"))
+  exports = dict(re.findall(r"^export (\w+)=(\S+)", _section(text, "Usage"), re.M))
+  assert set(exports) == {"XLA_FLAGS", "JAX_PLATFORMS"}, exports
   (code,) = re.findall(r"```python\n(.*?)```", _section(text, section), re.S)
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-  env["XLA_FLAGS"] = flags
+  env = {k: v for k, v in os.environ.items() if k not in exports}
+  env.update(exports)
   env["PYTHONPATH"] = str(REPO)
   res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                        cwd=tmp_path, timeout=300, check=False)
