@@ -174,15 +174,15 @@ def assert_same_bits(want, got, name="") -> None:
 def record_kernel_modules(monkeypatch) -> list[str]:
   """Patches Mosaic GPU's lowering rule to append each kernel module it lowers to the list
   returned (asm without debug locations). jax 0.11.2 numbers the kernels that one process
-  lowers ("..._1", "..._2" in the module header): that suffix is dropped, so that two
-  lowerings of the same kernel compare equal on both jax versions."""
+  lowers (the module header's `mosaic_gpu.dump_basename = "<name>_<n>"`): the number is
+  dropped, so that two lowerings of the same kernel compare equal on both jax versions."""
   from jax.experimental.mosaic.gpu import core as mgpu_core  # pylint: disable=g-import-not-at-top
   modules = []
   rule = mgpu_core._mosaic_gpu_lowering_rule  # pylint: disable=protected-access
 
   def recording(ctx, *args, module, **kw):
     header, _, body = module.operation.get_asm(enable_debug_info=False).partition("\n")
-    modules.append(re.sub(r'_[0-9]+"', '"', header) + "\n" + body)
+    modules.append(re.sub(r'(dump_basename = "[^"]*)_[0-9]+"', r'\1"', header) + "\n" + body)
     return rule(ctx, *args, module=module, **kw)
 
   monkeypatch.setattr(mgpu_core, "_mosaic_gpu_lowering_rule", recording)
