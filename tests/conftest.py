@@ -1,5 +1,10 @@
 """pytest setup: 8 forced host devices, skips for the gpu/multigpu markers, the slow layer.
 
+Every test not marked gpu/multigpu (the CPU layer) needs jax's CPU backend and its 8 forced
+host devices: where jax defaults to a GPU they are skipped, saying to run them with
+JAX_PLATFORMS=cpu (41 of them failed on one H200's backend: BUILD_NOTES 2026-12-02,
+twenty-seventh session); the gpu/multigpu tests need the GPU backend.
+
 Tests marked `slow` (the CUDA lowering of every seed shape at D = 8 and of every tuning-table
 config, the experiment scripts' end-to-end runs, the larger-D numerics sweeps, and the further
 cases of a path that a fast test already checks) are deselected unless `--runslow` or
@@ -16,6 +21,7 @@ _FLAG = "--xla_force_host_platform_device_count=8"
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAG}".strip()
 
+import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 import helpers  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -53,7 +59,13 @@ def pytest_collection_modifyitems(config, items):
   skip_gpu = pytest.mark.skip(reason="needs a Hopper GPU (sm_90); none found")
   skip_multigpu = pytest.mark.skip(
       reason=f"needs >= 2 Hopper GPUs; found {num_hopper}")
+  backend = jax.default_backend()
+  skip_cpu_layer = pytest.mark.skip(
+      reason=f"the CPU layer needs the 8 forced host devices; jax defaults to {backend} here: "
+      "run it with JAX_PLATFORMS=cpu")
   for item in items:
+    if backend != "cpu" and "gpu" not in item.keywords and "multigpu" not in item.keywords:
+      item.add_marker(skip_cpu_layer)
     if "gpu" in item.keywords and num_hopper < 1:
       item.add_marker(skip_gpu)
     if "multigpu" in item.keywords and num_hopper < 2:
