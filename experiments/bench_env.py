@@ -79,10 +79,7 @@ def configure_environment(mode: str, environ=os.environ) -> str:
     logging.info("--mode=auto: %d GPU(s) by nvidia-smi -> %s", gpus, mode)
   if mode == "smoke":
     if "jax" not in sys.modules:
-      xla_flags = environ.get("XLA_FLAGS", "")
-      if FORCE_DEVICES_FLAG not in xla_flags:
-        environ["XLA_FLAGS"] = (
-            f"{xla_flags} {FORCE_DEVICES_FLAG}={SMOKE_DEVICES}".strip())
+      _force_host_devices(environ)
       environ.setdefault("JAX_PLATFORMS", "cpu")
   if mode == "multi_gpu":
     nvls = environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -91,6 +88,23 @@ def configure_environment(mode: str, environ=os.environ) -> str:
           f"NCCL_NVLS_ENABLE={nvls!r}: NVLink multicast must stay off for the "
           "baselines; unset it or set it to 0")
   return mode
+
+
+def _force_host_devices(environ) -> None:
+  """SMOKE_DEVICES host devices through XLA_FLAGS, unless it names a count already."""
+  xla_flags = environ.get("XLA_FLAGS", "")
+  if FORCE_DEVICES_FLAG not in xla_flags:
+    environ["XLA_FLAGS"] = f"{xla_flags} {FORCE_DEVICES_FLAG}={SMOKE_DEVICES}".strip()
+
+
+def use_host_devices() -> None:
+  """jax's devices become SMOKE_DEVICES host devices, on any machine: what a --lower_only run
+  lowers on (a CUDA export needs no GPU, and a machine with fewer GPUs than the mesh still
+  lowers). jax may be imported, but its backends must not have started (under pytest they
+  have, on the conftest's 8 host devices)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  _force_host_devices(os.environ)
+  jax.config.update("jax_platforms", "cpu")
 
 
 def run_cmd(cmd: Sequence[str]) -> str | None:

@@ -86,11 +86,11 @@ def require_gpus() -> None:
                          f"{jax.devices()}; --lower_only needs none")
 
 
-def make_meshes(devices):
+def make_meshes():
   """(dp, tp) = (2, 2) over devices 0-3, and the 1-D tp = 2 mesh over devices 0, 1 (both
   row-major, as the kernel needs). Auto axes: the fp32 reference is plain jnp on the global
   arrays, partitioned by XLA."""
-  auto = jax.sharding.AxisType.Auto
+  devices, auto = jax.devices(), jax.sharding.AxisType.Auto
   return (jax.make_mesh((G, D), AXES, devices=devices[:G * D], axis_types=(auto, auto)),
           jax.make_mesh((D,), ("tp",), devices=devices[:D], axis_types=(auto,)))
 
@@ -232,14 +232,10 @@ def main(argv):
   del argv
   check_flags()
   if _LOWER_ONLY.value:
-    # Host devices, forced before jax starts its backends: a GPU machine does not force them
-    # (bench_env), and one with fewer than four GPUs would lower nothing.
-    jax.config.update("jax_num_cpu_devices", bench_env.SMOKE_DEVICES)
-    devices = jax.devices("cpu")
+    bench_env.use_host_devices()  # configure_environment forces them only where no GPU is
   else:
     require_gpus()
-    devices = jax.devices()
-  mesh2, mesh1 = make_meshes(devices)
+  mesh2, mesh1 = make_meshes()
   record = dict(environment=bench_env.environment_block(sys.argv), mesh={"dp": G, "tp": D},
                 lower_only=_LOWER_ONLY.value, rows=[])
   start = time.time()

@@ -956,13 +956,7 @@ def _configure(lower_only: bool) -> None:
                          "it or set it to 0")
   os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", "default")
   if lower_only:
-    # jax is imported but its backends start lazily: XLA_FLAGS still counts here (unless a
-    # backend already started, as in pytest, whose conftest forces 8 host devices itself).
-    xla_flags = os.environ.get("XLA_FLAGS", "")
-    if bench_env.FORCE_DEVICES_FLAG not in xla_flags:
-      os.environ["XLA_FLAGS"] = (
-          f"{xla_flags} {bench_env.FORCE_DEVICES_FLAG}={bench_env.SMOKE_DEVICES}").strip()
-    jax.config.update("jax_platforms", "cpu")
+    bench_env.use_host_devices()
 
 
 def _ints(values: Sequence[str]) -> list[int]:
