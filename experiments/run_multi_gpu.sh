@@ -37,11 +37,11 @@ case "${1:-check}" in
       | quiet | tail -8 ;;
   sweep)
     timeout 560 python3 experiments/matmul_rs_bench.py --mode=multi_gpu --tags=seed \
-      --iterations=200 --implementations=xla,fused --xla_peer --keep_going \
+      --iterations=200 --implementations=xla,fused,auto --xla_peer --keep_going \
       --out="$out/multi_gpu_seed.json" 2>&1 | quiet | tail -40 ;;
   proxy8)
     timeout 560 python3 experiments/matmul_rs_bench.py --mode=multi_gpu --tags=proxy8 \
-      --iterations=200 --implementations=xla,fused --keep_going \
+      --iterations=200 --implementations=xla,fused,auto --keep_going \
       --out="$out/multi_gpu_proxy8.json" 2>&1 | quiet | tail -40 ;;
   ablate)
     timeout 240 python3 experiments/ablate.py --out="$out/ablate.json" --names=\

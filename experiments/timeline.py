@@ -7,8 +7,9 @@ time of a small-M call goes; issue 17: when the comm CTAs run).
 Per shape (at D = the visible GPUs; on one GPU the loopback at --num_devices virtual ranks,
 one trace per call for all ranks, or with --alone one rank of a --num_devices-device call alone
 on the GPU with the "comm" ablation: fused.rank_alone) and config (`config_variants.variant_config` names applied to
-the config "fused" runs for the shape), runs the kernel under `fused.profile` (one Perfetto trace
-per call and device; the named phases of body.py per tile and comm.py per step) and summarizes
+the config "fused" runs for the shape), runs the kernel under `fused.profile` (a Perfetto trace
+of the named phases, body.py's per tile and comm.py's per step; kept per call as
+call<NNN>-*-trace.json, one device's per call over NVLink: keep_call_traces) and summarizes
 the last call's trace: per phase the count and the median / max duration over warpgroups, and
 the call's landmarks: the first mainloop's start (launch to work), the last mainloop's end, the
 last own epilogue's end (the call's end), so the tail (last mainloop end to call end) is the
@@ -25,6 +26,7 @@ import json
 from pathlib import Path
 import statistics
 import sys
+import warnings
 
 import bench_env  # experiments/ is sys.path[0] when run as a script.
 from config_variants import tuned_config
@@ -106,10 +108,26 @@ def fit_for_profile(cfg, *, space: int, num_devices: int, tiles_per_cta: int):
   raise app.UsageError(f"{cfg} leaves no {fused.profile_smem_bytes(space)} B for the profiler")
 
 
+def keep_call_traces(trace_dir: Path, call: int) -> list[Path]:
+  """Renames the traces a call just dumped to `call<NNN>-<name>` and returns them.
+
+  jax names a kernel's trace file once, when it lowers the kernel, and never overwrites it, so
+  without this only the first call's trace would stay (at M = 512 over NVLink its owner waits
+  ~200 us for the peer: BUILD_NOTES 2026-12-04), and over NVLink the devices' callbacks race
+  for that one name, so one trace per call survives (jax warns for the other: silenced)."""
+  kept = []
+  for path in sorted(trace_dir.glob("*-trace.json")):
+    if not path.name.startswith("call"):
+      kept.append(path.rename(path.with_name(f"call{call:03d}-{path.name}")))
+  return kept
+
+
 def check_flags() -> None:
   """UsageError for a flag value that would fail later in the run (flag_checks)."""
   flag_checks.shape_names("names", _NAMES.value)
   flag_checks.variant_names("configs", _CONFIGS.value)
+  if _CALLS.value < 1:
+    raise app.UsageError(f"--calls={_CALLS.value} must be >= 1")
 
 
 def main(argv):
@@ -158,7 +176,8 @@ def main(argv):
       cfg = fit_for_profile(cfg, space=_SPACE.value, num_devices=d, tiles_per_cta=per_cta)
       trace_dir = trace_root / f"{name}_{cname}"
       trace_dir.mkdir(parents=True, exist_ok=True)
-      with fused.profile(str(trace_dir), _SPACE.value):
+      with fused.profile(str(trace_dir), _SPACE.value), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Failed to dump profile")  # keep_call_traces
         if nvlink:
           fn = jax.jit(jax.shard_map(functools.partial(
               fused.fused_matmul_reduce_scatter, axis_name="tp", num_devices=d, config=cfg),
@@ -168,10 +187,10 @@ def main(argv):
                                          ablate=("comm",)))
         else:
           fn = jax.jit(functools.partial(fused.loopback_matmul_reduce_scatter, config=cfg))
-        for _ in range(_CALLS.value):
+        for call in range(_CALLS.value):
           jax.block_until_ready(fn(*args))
-      # Mosaic GPU writes <time_ns>-trace.json per call and device: the last call's are last.
-      traces = sorted(trace_dir.glob("*-trace.json"))[-(d if nvlink else 1):]
+          jax.effects_barrier()  # The trace is dumped by a host callback after the kernel.
+          traces = keep_call_traces(trace_dir, call)
       row = {"name": name, "config_name": cname, "config": repr(cfg), "d": d,
              "transport": transport,
              "traces": [str(p) for p in traces],

@@ -45,6 +45,19 @@ def test_summary_of_a_two_warpgroup_trace(timeline):
     timeline.summarize([])
 
 
+def test_each_calls_trace_is_kept_under_its_own_name(timeline, tmp_path):
+  # jax dumps every call of a compiled kernel to one name and never overwrites it: moving the
+  # file after each call is what lets the next call's trace be written.
+  dumped = tmp_path / "pallas_rs_matmul_rs-17-trace.json"
+  for call in range(3):
+    dumped.write_text(f"call {call}")
+    kept = timeline.keep_call_traces(tmp_path, call)
+    assert [p.name for p in kept] == [f"call{call:03d}-pallas_rs_matmul_rs-17-trace.json"]
+    assert kept[0].read_text() == f"call {call}" and not dumped.exists()
+  assert timeline.keep_call_traces(tmp_path, 3) == []  # nothing new dumped: nothing claimed
+  assert len(list(tmp_path.glob("call*-trace.json"))) == 3
+
+
 def test_profiled_config_leaves_the_profiler_its_shared_memory(timeline):
   cfg = config_lib.with_numerics(config_lib.Config(), "unfused_order", 2)
   # 512 events per warpgroup take 24 KB, more than the default pipeline leaves.

@@ -186,12 +186,14 @@ _PROFILE: dict = {}  # Set only inside `profile`.
 
 @contextlib.contextmanager
 def profile(directory: str, space: int = 128):
-  """Kernels traced inside this context record a timeline of their named phases (body.py:
-  per tile; comm.py: per step) with Mosaic GPU's profiler: one Perfetto trace per call under
-  `directory`, up to `space` events per warpgroup (at most 8 a tile: more is undefined
-  behaviour), in `profile_smem_bytes(space)` of each CTA's shared memory, which the config
-  must leave free (experiments/timeline.py sizes both). Diagnostics only: each event reads
-  the clock, and a function traced outside the context (a cached jit) does not profile."""
+  """Kernels traced inside this context record a timeline of their named phases (body.py: per
+  tile; comm.py: per step) with Mosaic GPU's profiler: a Perfetto trace under `directory` (named
+  when the kernel lowers, never overwritten: a later call's trace is dumped only once the
+  earlier one is moved away, as experiments/timeline.py does), up to `space` events per
+  warpgroup (at most 8 a tile: more is undefined behaviour), in `profile_smem_bytes(space)` of
+  each CTA's shared memory, which the config must leave free (experiments/timeline.py sizes
+  both). Diagnostics only: each event reads the clock, and a function traced outside the context
+  (a cached jit) does not profile."""
   if space < 1:
     raise ValueError(f"{space=} must be >= 1")
   previous = dict(_PROFILE)
