@@ -765,6 +765,8 @@ def test_autotune_confirms_a_challengers_win_on_pooled_times():
   import helpers  # pylint: disable=g-import-not-at-top
   autotune = helpers.load_script("autotune")
   try:
+    confirmed_best = autotune._confirmed_best  # pylint: disable=protected-access
+
     def rec(name, times, status="ok"):
       return {"label": "fused", "name": name, "status": status, "times_us": list(times),
               "median_us": float(np.median(times))}
@@ -781,7 +783,7 @@ def test_autotune_confirms_a_challengers_win_on_pooled_times():
     recs = [rec("broken", [1.0], "failed: x"), rec("incumbent", [100.0] * 3),
             rec("lucky", [93.0] * 3), rec("slow", [120.0] * 3)]
     retime, calls = retimer({"incumbent": [100.0] * 3, "lucky": [101.0] * 3})
-    got = autotune._confirmed_best(recs, retime, 0.02, 2)  # pylint: disable=protected-access
+    got = confirmed_best(recs, retime, 0.02, 2)
     assert got["name"] == "incumbent"
     assert calls == ["incumbent", "lucky"] * 2  # alternating, the incumbent first
     assert recs[2]["pass_times_us"] == [93.0] * 3 and len(recs[2]["times_us"]) == 9
@@ -789,14 +791,14 @@ def test_autotune_confirms_a_challengers_win_on_pooled_times():
     # A real win holds; one pass alone (rounds 0) decides without timing again.
     recs = [rec("incumbent", [100.0] * 3), rec("fast", [90.0] * 3)]
     retime, calls = retimer({"incumbent": [100.0] * 3, "fast": [91.0] * 3})
-    assert autotune._confirmed_best(recs, retime, 0.02, 2)["name"] == "fast"  # pylint: disable=protected-access
+    assert confirmed_best(recs, retime, 0.02, 2)["name"] == "fast"
     recs = [rec("incumbent", [100.0] * 3), rec("lucky", [93.0] * 3)]
     retime, calls = retimer({})
-    assert autotune._confirmed_best(recs, retime, 0.02, 0)["name"] == "lucky"  # pylint: disable=protected-access
+    assert confirmed_best(recs, retime, 0.02, 0)["name"] == "lucky"
     # The incumbent winning the pass, or nothing correct, times nothing again.
     recs = [rec("incumbent", [100.0] * 3), rec("near", [99.0] * 3)]
-    assert autotune._confirmed_best(recs, retime, 0.02, 2)["name"] == "incumbent"  # pylint: disable=protected-access
-    assert autotune._confirmed_best([rec("x", [1.0], "smem")], retime, 0.02, 2) is None  # pylint: disable=protected-access
+    assert confirmed_best(recs, retime, 0.02, 2)["name"] == "incumbent"
+    assert confirmed_best([rec("x", [1.0], "smem")], retime, 0.02, 2) is None
     assert not calls
   finally:
     helpers.forget_scripts("autotune")
