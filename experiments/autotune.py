@@ -138,10 +138,12 @@ def _short(cfg) -> str:
 
 
 def time_candidate(label: str, fn, args, ref, *, num_devices: int,
-                   xla_err: float | None, cfg=None, lenient: bool = False) -> dict[str, Any]:
+                   xla_err: float | None, cfg=None, lenient: bool = False,
+                   keep: dict[int, Any] | None = None) -> dict[str, Any]:
   """Times and checks one function; SMEM/NotImplemented are recorded, not raised, and with
   `lenient` any failure to build or run (configs of jax's all-gather matmul, which CI cannot
-  lower: it asks the device for its SM count)."""
+  lower: it asks the device for its SM count). `keep` receives the compiled executable of a
+  function that ran, by the record's id (for `_retimer`)."""
   from pallas_rs import reference  # pylint: disable=g-import-not-at-top
   from pallas_rs.bench import timing  # pylint: disable=g-import-not-at-top
   from pallas_rs import tuning  # pylint: disable=g-import-not-at-top
@@ -165,6 +167,8 @@ def time_candidate(label: str, fn, args, ref, *, num_devices: int,
     else:
       raise
     return rec
+  if keep is not None:
+    keep[id(rec)] = compiled
   err = float(reference.max_rel_error_on_device(out, ref))
   ok = xla_err is None or bench_env.rule_holds(err, xla_err, FLAGS.max_error_ratio, slack=1e-6)
   rec.update(status="ok" if ok else "wrong", timer=t.timer,
@@ -222,13 +226,13 @@ def _confirmed_best(recs, retime, margin: float, rounds: int):
   return _best(list(pair), margin)
 
 
-def _retimer(fns: dict[int, Any], args, num_devices: int):
-  """`retime` for `_confirmed_best`: one more pass of the record's function (`fns`, by the
-  record's id) on `args`, its times."""
+def _retimer(compiled: dict[int, Any], args, num_devices: int):
+  """`retime` for `_confirmed_best`: one more pass of the record's executable (`compiled`, by
+  the record's id: `time_candidate`'s `keep`) on `args`, its times."""
   from pallas_rs.bench import timing  # pylint: disable=g-import-not-at-top
 
   def retime(rec):
-    return timing.time_function(fns[id(rec)], args, iterations=FLAGS.iterations,
+    return timing.time_function(compiled[id(rec)], args, iterations=FLAGS.iterations,
                                 warmup=FLAGS.warmup, num_devices=num_devices).times_us
   return retime
 
@@ -406,17 +410,16 @@ def tune_multi_gpu(case, env) -> tuple[list[dict], list[dict]]:
   records = [time_candidate("xla_seq", seq, (x, w), ref, num_devices=d,
                             xla_err=None)]
   xla = _baseline(records[0])
-  fns = {}
+  compiled = {}
   for cfg in multi_gpu_candidates(m=m, n=n, k_shard=k_shard, d=d):
     fn = smap(functools.partial(fused.fused_matmul_reduce_scatter, axis_name=AXIS,
                                 num_devices=d, config=cfg))
     records.append(time_candidate("fused", fn, (x, w), ref, num_devices=d,
-                                  xla_err=xla["max_rel_error"], cfg=cfg))
-    fns[id(records[-1])] = fn
+                                  xla_err=xla["max_rel_error"], cfg=cfg, keep=compiled))
   for r in records:
     r.update(case=case.name, num_devices=d, m=m, n=n, k_shard=k_shard,
              mode="multi_gpu")
-  best = _confirmed_best(records[1:], _retimer(fns, (x, w), d), FLAGS.margin,
+  best = _confirmed_best(records[1:], _retimer(compiled, (x, w), d), FLAGS.margin,
                          FLAGS.confirm_rounds)
   entry = _gate_entry(
       gpu_kind=env["device_kind"], d=d, m=m, n=n, k_shard=k_shard,
@@ -525,18 +528,18 @@ def tune_ag_multi_gpu(case, env) -> tuple[list[dict], list[dict]]:
   ref = xla_fn(lhs.astype(jnp.float32), rhs.astype(jnp.float32))
   records = [_baseline(time_candidate("ag_xla", xla_fn, (lhs, rhs), ref, num_devices=d,
                                       xla_err=None))]
-  fns = {}
+  compiled = {}
   for cfg in cfgs:  # The kernel's default first: the incumbent of the margin rule.
     fused_fn = smap(functools.partial(ag_matmul.fused_all_gather_matmul, axis_name=AXIS,
                                       config=cfg, out_dtype=jnp.bfloat16))
     records.append(time_candidate("ag_fused", fused_fn, (lhs, rhs), ref, num_devices=d,
-                                  xla_err=records[0]["max_rel_error"], lenient=True))
+                                  xla_err=records[0]["max_rel_error"], lenient=True,
+                                  keep=compiled))
     records[-1]["config"] = ag_matmul.config_to_json(cfg)
-    fns[id(records[-1])] = fused_fn
   for r in records:
     r.update(case=case.name, num_devices=d, m=m, n=n, k_shard=k, mode="multi_gpu",
              op="ag_matmul")
-  best = _confirmed_best(records[1:], _retimer(fns, (lhs, rhs), d), FLAGS.margin,
+  best = _confirmed_best(records[1:], _retimer(compiled, (lhs, rhs), d), FLAGS.margin,
                          FLAGS.confirm_rounds)
   entry = _gate_entry(
       gpu_kind=env["device_kind"], d=d, m=m, n=n, k_shard=k,
