@@ -21,6 +21,7 @@
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh chains   # 4 GPUs: the ring chain / sum slot (D > 2) vs receive slots / direct push
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh pull_wm  # 4 GPUs, M = 512: 4 pulling CTAs + TMA add + the M split vs the table
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh alone    # one GPU is enough: one rank's program alone
+#   OUT=/tmp/mg bash experiments/run_multi_gpu.sh hang     # the NVLink test that hung 5 of 5 tries, alone / after its sibling
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh stall    # each warpgroup split with/without the TMA add, hangs isolated
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh stall_which   # the split or the 256-column wgmma: which stalls
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh stall_ablate  # the stalled config without the owner's wait / sum
@@ -211,6 +212,25 @@ mixtral8x22b_w2_m512,llama70b_o_proj_m2048,mixtral8x22b_o_proj_m2048 \
       --variant=t64x256_wm_noadd --m=2048 --nk=8192x8192 --stress_calls=4 --case_timeout_s=60 \
       --out="$out/stall_loopback.json" 2>&1 | tee "$out/stall_loopback.log" | quiet \
       | grep -E '^\{|^loopback|Timeout|File' | head -16 ;;
+  hang)
+    # test_tma_add_bit_identical_over_nvlink[2048-8192-8192] hung in 5 of 5 tries (fifth
+    # session 3, seventy-sixth 2), each after [512-2048-4096] had passed in the same process,
+    # while both its configs ran alone (the `stall` step; the M split without the add 212 calls,
+    # seventy-sixth session): the case alone in a fresh process, then the pair as the
+    # selection runs it; pytest's faulthandler dumps every thread's stack at 100 s. Then the
+    # rest of the D = 2 NVLink bit tests the hang kept from running, one process.
+    t=tests/test_fused_multigpu.py::test_tma_add_bit_identical_over_nvlink
+    for sel in "$t[2048-8192-8192]" "$t[512-2048-4096] $t[2048-8192-8192]"; do
+      echo "== $sel" | tee -a "$out/hang.log"
+      # shellcheck disable=SC2086  # $sel: one or two test ids
+      timeout 130 python3 -m pytest -q -p no:cacheprovider -m multigpu \
+        -o faulthandler_timeout=100 $sel 2>&1 | tee -a "$out/hang.log" \
+        | grep -E "passed|failed|Timeout|File|Thread" | head -24
+    done
+    echo "== owner_pull or pairs_split" | tee -a "$out/hang.log"
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -m multigpu -o faulthandler_timeout=170 \
+      tests/test_fused_multigpu.py -k "owner_pull or pairs_split" 2>&1 | tee -a "$out/hang.log" \
+      | grep -E "passed|failed|Timeout|File|Thread" | head -24 ;;
   stall_which)
     # Which feature of the stalled config stalls (after `stall`, if t64x256_wm_noadd stalled
     # again): the M split with 128-column wgmma tiles (t64x128_wm: 128 x 128 CTA tiles) and
@@ -267,7 +287,7 @@ mixtral8x22b_w2_m512,llama70b_o_proj_m2048,mixtral8x22b_o_proj_m2048 \
         | cut -c1-200 | head -12
     done ;;
   *) echo "usage: $0 check|sweep|proxy8|ablate|probe|numerics|model|ag|roofline|mesh2d|smallm|\
-smallm_proxy8|timeline|tiles|order|owner|owner_pull|chains|pull_wm|alone|stall|stall_which|\
+smallm_proxy8|timeline|tiles|order|owner|owner_pull|chains|pull_wm|alone|hang|stall|stall_which|\
 stall_ablate|stall_loopback" >&2
      exit 2 ;;
 esac

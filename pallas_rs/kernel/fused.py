@@ -39,13 +39,15 @@ def nvlink_unverified(config: Config, num_devices: int) -> str | None:
   """Why `config` is refused over NVLink although loopback runs it correctly, or None.
 
   Without the owner's TMA add, the 128 x 256 CTA tile with its warpgroups split along M (two
-  64 x 256 wgmma tiles) stalled in its first call in 3 of 3 tries on two H200s and has never
-  completed over NVLink (BUILD_NOTES, 2026-12-01 fifth session). Loopback runs it correctly at
+  64 x 256 wgmma tiles) stalled in its first call in 3 of 3 tries on two H200s (BUILD_NOTES,
+  2026-12-01 fifth session). Loopback runs it correctly at
   D = 2, 4 and 8, and its compiled code is that of the N split of the same CTA tile (which runs
   over NVLink) but for the wgmma shape and a row offset (sixth session): the cause is open
   between the split and the 256-column wgmma. So without the add NVLink runs what it has run:
   the N split with warpgroup tiles of at most 128 columns (with the add, both the M split's 128
-  x 256 and 128 x 192 ran). Lift this once `run_multi_gpu.sh stall` has found the cause."""
+  x 256 and 128 x 192 ran). All three stalls came in one pytest test after its sibling in the
+  same process, which hung again on 2026-12-04 with an N-split reference, while this family
+  alone ran 212 calls without one: lift this once `run_multi_gpu.sh hang` clears the config."""
   if not config_lib.nvlink_has_run(config.tile_n, config.wg_dimension, config.sum_in_output,
                                     num_devices):
     return (f"warpgroup tiles of {config.tile_m} x {config.tile_n} side by side along "

@@ -7,7 +7,9 @@ proposes the configs the tuner (experiments/autotune.py) measures. `select` cons
 
   (a) table: an exact entry for (op, gpu_kind, num_devices, m, n, k_shard, dtype); where its
       config cannot run here (pulling comm CTAs on jax < 0.11.2), the entry's "fallback"
-      config, measured faster than XLA in the same run, if it has one;
+      config, measured faster than XLA in the same run, if it has one, else "xla" (that
+      run timed the push configs beside it: none beat XLA); another unfit config falls
+      through to (b);
   (b) heuristic: for an unmeasured m, the measured entry with the same
       (op, gpu_kind, num_devices, n, k_shard, dtype) nearest in |log m|; its
       implementation is the gate and its config is re-validated for this shape
@@ -293,12 +295,19 @@ def select(key: Key, *, default: Any, fits: Callable[[Any], str | None],
     bad = fits(cfg) if cfg is not None else "no config"
     if bad is None:
       return Decision("fused", cfg, "table", why)
-    notes.append(f"table config for this key does not fit: {bad}")
     fallback = entry_fallback(entry)
     if fallback is not None and fits(fallback) is None:
       return Decision("fused", fallback, "table",
                       f"{why}; its config cannot run here ({bad}): the entry's fallback, "
                       f"median {np.median(entry['fallback']['times_us']):.1f} us")
+    if fallback is None and getattr(cfg, "reads_peers", False):
+      # The tuner times a pulling entry's push fallback beside it and keeps it only if it beat
+      # XLA: this very shape's run found nothing that runs here beating XLA, so another m's
+      # config would be a guess against the measurement.
+      return Decision("xla", default, "table",
+                      f"{why}; its config cannot run here ({bad}) and no config without "
+                      "remote loads beat XLA in the same run")
+    notes.append(f"table config for this key does not fit: {bad}")
   # (b) nearest measured m with the same (op, gpu_kind, D, n, k_shard, dtype).
   near = [e for e in gating
           if entry_key(e).normalized()._replace(m=key.m) == nkey and e["key"]["m"] != key.m]
