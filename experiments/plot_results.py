@@ -14,6 +14,8 @@ Per results file `<stem>.json`, writes to --out_dir:
   model_bench.py results (the TP block end to end):
     <stem>_block.png       per (M, pass): T(xla) / T(impl) per implementation, and the share
                            of the block's time its communication still exposes.
+    <stem>_layers.png      (--per_layer runs) per (M, pass): the XLA block's exposed
+                           communication by projection, T(xla) - T(xla without its collectives).
 Plots of host-wall-clock (smoke) results are titled "NO PERFORMANCE CLAIMS".
 Files of other schemas (autotune, numerics, probe, check JSONs) are skipped with one printed
 line each.
@@ -184,16 +186,28 @@ def plot_model_bench(doc, stem: str, out_dir: Path) -> list[Path]:
   if known:
     top.set_ylim(min(known) - 0.05, max(known) + 0.05)
   model = doc["records"][0]["shape"].get("model", "") if doc["records"] else ""
-  top.set_title(_title({**doc, "mode": doc.get("flags", {}).get("mode"),
-                        "timer": doc["records"][0].get("timer") if doc["records"] else None,
-                        "performance_claims": all(r.get("performance_claims")
-                                                  for r in doc["records"])},
-                       f"{model} TP block vs XLA"), fontsize=8)
+  labelled = {**doc, "mode": doc.get("flags", {}).get("mode"),
+              "timer": doc["records"][0].get("timer") if doc["records"] else None,
+              "performance_claims": all(r.get("performance_claims") for r in doc["records"])}
+  top.set_title(_title(labelled, f"{model} TP block vs XLA"), fontsize=8)
   _bar_groups(bottom, labels, series("exposed_comm_share", 100.0),
               "exposed communication, % of step")
   for ax in (top, bottom):
     ax.set_xlabel("tokens M, pass", fontsize=8)
-  return [_save(fig, out_dir / f"{stem}_block.png")]
+  written = [_save(fig, out_dir / f"{stem}_block.png")]
+  by_layer = {g: groups[g]["xla"]["metrics"]["exposed_comm_by_layer_us"] for g in labels
+              if "exposed_comm_by_layer_us" in groups[g].get("xla", {}).get("metrics", {})}
+  if by_layer:
+    layers = list(next(iter(by_layer.values())))
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(by_layer) + 3), 4.5))
+    _bar_groups(ax, list(by_layer), {layer: [by_layer[g].get(layer) for g in by_layer]
+                                     for layer in layers},
+                "T(xla) - T(xla without its collectives), us")
+    ax.axhline(0.0, color="black", linewidth=0.5)
+    ax.set_xlabel("tokens M, pass", fontsize=8)
+    ax.set_title(_title(labelled, f"{model} XLA block by projection"), fontsize=8)
+    written.append(_save(fig, out_dir / f"{stem}_layers.png"))
+  return written
 
 
 def not_harness_results(doc) -> str | None:

@@ -8,6 +8,8 @@
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh probe    # communication paths side by side
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh numerics # error-ratio distributions, baseline
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh model    # TP block end to end (the shipped table)
+#   OUT=/tmp/mg bash experiments/run_multi_gpu.sh layers_llama70b      # the XLA block's exposed communication per projection
+#   OUT=/tmp/mg bash experiments/run_multi_gpu.sh layers_mixtral8x22b  # the same, Mixtral
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh ag       # retune the backward's all-gather matmul tiles
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh roofline # NVLink push/pull/local TMA vs CUDA figures
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh mesh2d   # 4 GPUs: (dp, tp) = (2, 2) vs 1-D D = 2
@@ -69,6 +71,14 @@ llama70b_o_proj_m512,llama70b_o_proj_m32768,mixtral8x22b_w2_m2048,llama70b_down_
         --m=2048,8192 --keep_going --out="$out/model_$model.json" 2>&1 | quiet | tail -12
     done
     ;;
+  layers_llama70b|layers_mixtral8x22b)
+    # Where the block's communication is exposed (issue 20): the XLA block with one projection's
+    # collectives removed at a time (model_bench.py --per_layer), one model per call (six
+    # programs per M and pass, compiles dominate); `model` times fused and "auto".
+    model=${1#layers_}
+    timeout 560 python3 experiments/model_bench.py --mode=multi_gpu --model="$model" \
+      --m=2048,8192 --implementations=xla --per_layer --keep_going \
+      --out="$out/model_layers_$model.json" 2>&1 | quiet | tail -14 ;;
   ag)
     # The backward's all-gather matmul (jax's kernel) at M <= 8192: its default and each CTA
     # tile of candidates.ag_tile_variants vs XLA, into a copy of the tuning table (2% margin).
@@ -286,7 +296,7 @@ mixtral8x22b_w2_m512,llama70b_o_proj_m2048,mixtral8x22b_o_proj_m2048 \
         2>&1 | tee "$out/stall_loopback_$v.log" | quiet | grep -E '^\{|^loopback|Timeout|File' \
         | cut -c1-200 | head -12
     done ;;
-  *) echo "usage: $0 check|sweep|proxy8|ablate|probe|numerics|model|ag|roofline|mesh2d|smallm|\
+  *) echo "usage: $0 check|sweep|proxy8|ablate|probe|numerics|model|layers_llama70b|layers_mixtral8x22b|ag|roofline|mesh2d|smallm|\
 smallm_proxy8|timeline|tiles|order|owner|owner_pull|chains|pull_wm|alone|hang|stall|stall_which|\
 stall_ablate|stall_loopback" >&2
      exit 2 ;;

@@ -337,6 +337,13 @@ def test_plot_model_bench_json(tmp_path):
   (written,) = plot.plot_file(path, tmp_path)
   assert written.name == "model_x_block.png" and written.stat().st_size > 0
   assert plot.why_not_plotted({"benchmark": "model_bench"}) is not None
+  # A --per_layer run: the XLA block's exposed communication by projection, a second PNG.
+  doc["records"][0]["metrics"]["exposed_comm_by_layer_us"] = {
+      "qkv": 40.0, "o_proj": 55.0, "gate_up": 38.0, "down_proj": None}
+  path.write_text(json.dumps(doc))
+  written = plot.plot_file(path, tmp_path)
+  assert [p.name for p in written] == ["model_x_block.png", "model_x_layers.png"]
+  assert written[1].stat().st_size > 0
 
 
 def test_seed_shapes_run_at_the_visible_device_count(harness):
