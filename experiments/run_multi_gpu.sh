@@ -227,18 +227,20 @@ mixtral8x22b_w2_m512,llama70b_o_proj_m2048,mixtral8x22b_o_proj_m2048 \
     # session 3, seventy-sixth 2), each after [512-2048-4096] had passed in the same process,
     # while both its configs ran alone (the `stall` step; the M split without the add 212 calls,
     # seventy-sixth session): the case alone in a fresh process, then the pair as the
-    # selection runs it; pytest's faulthandler dumps every thread's stack at 100 s. Then the
-    # rest of the D = 2 NVLink bit tests the hang kept from running, one process.
+    # selection runs it, then the pair the other way round (pytest keeps the order given);
+    # pytest's faulthandler dumps every thread's stack at 95 s. Then the rest of the D = 2
+    # NVLink bit tests the hang kept from running, one process.
     t=tests/test_fused_multigpu.py::test_tma_add_bit_identical_over_nvlink
-    for sel in "$t[2048-8192-8192]" "$t[512-2048-4096] $t[2048-8192-8192]"; do
+    for sel in "$t[2048-8192-8192]" "$t[512-2048-4096] $t[2048-8192-8192]" \
+               "$t[2048-8192-8192] $t[512-2048-4096]"; do
       echo "== $sel" | tee -a "$out/hang.log"
       # shellcheck disable=SC2086  # $sel: one or two test ids
-      timeout 130 python3 -m pytest -q -p no:cacheprovider -m multigpu \
-        -o faulthandler_timeout=100 $sel 2>&1 | tee -a "$out/hang.log" \
+      timeout 115 python3 -m pytest -q -p no:cacheprovider -m multigpu \
+        -o faulthandler_timeout=95 $sel 2>&1 | tee -a "$out/hang.log" \
         | grep -E "passed|failed|Timeout|File|Thread" | head -24
     done
     echo "== owner_pull or pairs_split" | tee -a "$out/hang.log"
-    timeout 200 python3 -m pytest -q -p no:cacheprovider -m multigpu -o faulthandler_timeout=170 \
+    timeout 180 python3 -m pytest -q -p no:cacheprovider -m multigpu -o faulthandler_timeout=160 \
       tests/test_fused_multigpu.py -k "owner_pull or pairs_split" 2>&1 | tee -a "$out/hang.log" \
       | grep -E "passed|failed|Timeout|File|Thread" | head -24 ;;
   stall_which)
