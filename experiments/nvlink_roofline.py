@@ -642,14 +642,15 @@ def measure(compiled, args, *, kernel_name: str, iterations: int, warmup: int,
   for _ in range(warmup):
     jax.block_until_ready(compiled(*args))
   # timing.time_function sums every kernel of a step; the records are needed per kernel name.
-  per_iter, notes = timing._cupti_kernels(  # pylint: disable=protected-access
-      compiled, args, iterations)
-  step = timing.kernels_to_timing(per_iter, num_devices)
+  per_iter, notes, paired = timing._cupti_kernels(  # pylint: disable=protected-access
+      compiled, args, iterations, num_devices)
+  step = timing.kernels_to_timing(per_iter, num_devices, paired=paired)
+  # Filtering keeps a paired iteration's equal runs per device (one program on every device).
   mine = [[rec for rec in it if kernel_name in rec[0]] for it in per_iter]
   if not all(mine):
     raise RuntimeError(f"CUPTI saw no {kernel_name} record in some iteration; kernels: "
                        f"{sorted(step.kernels or {})}")
-  kern = timing.kernels_to_timing(mine, num_devices)
+  kern = timing.kernels_to_timing(mine, num_devices, paired=paired)
   return dict(timer="cupti", times_us=kern.times_us, times_min_us=kern.times_min_us,
               step_times_us=step.times_us, rule=kern.rule, kernels=step.kernels,
               notes=notes + kern.notes)

@@ -210,6 +210,105 @@ def test_cupti_path_with_fake_profiler(monkeypatch, fail_chunking):
   assert js["stats_min_across_devices"]["median"] == pytest.approx(5.0)
 
 
+# --- timing: CUPTI's record order across devices --------------------------------
+
+
+def test_classify_layout():
+  s, c = "loop_sine_fusion", "loop_cosine_fusion"
+  assert timing.classify_layout([s] * 8 + [c] * 8, 8) == timing.DEVICE_MAJOR
+  # D = 3 with device 0's run between the others'.
+  assert timing.classify_layout([c] * 8 + [s] * 8 + [c] * 8, 8) == timing.DEVICE_MAJOR
+  assert timing.classify_layout([s, c] * 8, 8) == timing.INTERLEAVED
+  assert timing.classify_layout([s, s, c, c] * 4, 8) == timing.INTERLEAVED
+  assert timing.classify_layout([s] * 16, 8) == timing.UNKNOWN
+  assert timing.classify_layout([], 8) == timing.UNKNOWN
+
+
+def _device_major(per_device_us, names=("gemm", "cast")):
+  """One session's records as CUPTI hands them over: device 0's iterations, then device 1's;
+  each iteration's time split over `names` (the last kernel takes 1 us)."""
+  return [rec for dev in per_device_us for t in dev
+          for rec in ((names[0], (t - 1.0) / 1e3), (names[1], 1.0 / 1e3))]
+
+
+def test_pair_devices_regroups_device_major_records():
+  flat = _device_major([[10.0, 11.0, 12.0], [20.0, 21.0, 22.0]])
+  paired = timing.pair_devices(flat, num_devices=2, iterations=3)
+  assert [[round(ms * 1e3, 6) for _, ms in it] for it in paired] == [
+      [9.0, 1.0, 19.0, 1.0], [10.0, 1.0, 20.0, 1.0], [11.0, 1.0, 21.0, 1.0]]
+  assert timing.pair_devices(flat, num_devices=2, iterations=4) is None
+  assert timing.pair_devices(flat[:-1], num_devices=2, iterations=3) is None
+  swapped = flat[:2] + [flat[3], flat[2]] + flat[4:]  # a run whose names differ
+  assert timing.pair_devices(swapped, num_devices=2, iterations=3) is None
+
+
+class _DeviceMajorProfiler:
+  """profiler.measure as it behaves on the GPU hosts: the session's records device by device,
+  then split into `iterations` equal chunks (so a chunk holds consecutive iterations of one
+  device)."""
+
+  def __init__(self, per_device_us):
+    self.flat = _device_major(per_device_us)
+
+  def measure(self, f, *, aggregate=True, iterations=1):
+    def wrapper(*args):
+      k = len(self.flat) // iterations
+      return f(*args), [self.flat[i * k:(i + 1) * k] for i in range(iterations)]
+    return wrapper
+
+
+def test_device_major_records_time_the_slowest_device(monkeypatch):
+  # Device 1 is 2 us slower every iteration and both drift upwards. The legacy rule takes a
+  # chunk (two consecutive iterations of one device) for one iteration of both devices: its
+  # first half is device 0's times, its second half device 1's.
+  dev0 = [100.0 + i for i in range(6)]
+  dev1 = [102.0 + i for i in range(6)]
+  fake = _DeviceMajorProfiler([dev0, dev1])
+  monkeypatch.setattr(timing, "_measure_params", lambda: (fake, {"iterations": None}))
+  f = jax.jit(lambda a: a * 2)
+  args = (jnp.ones(4),)
+  monkeypatch.setattr(timing, "record_layout", lambda: timing.DEVICE_MAJOR)
+  t = timing.time_function(f, args, iterations=6, warmup=0, timer="cupti", num_devices=2)
+  assert t.times_us == pytest.approx(dev1)
+  assert t.times_min_us == pytest.approx(dev0)
+  assert t.device_medians_us == pytest.approx([102.5, 104.5])
+  assert "paired with devices" in t.rule
+  monkeypatch.setattr(timing, "record_layout", lambda: timing.INTERLEAVED)
+  legacy = timing.time_function(f, args, iterations=6, warmup=0, timer="cupti", num_devices=2)
+  assert legacy.times_us == pytest.approx([101.0, 103.0, 105.0, 103.0, 105.0, 107.0])
+  assert "legacy rule" in legacy.rule
+  assert any("interleaved" in n for n in legacy.notes)
+  assert legacy.device_medians_us is None
+
+
+def test_device_major_records_per_session_fallback(monkeypatch):
+  # One session per iteration (the chunking fallback): each session is device 0's kernels,
+  # then device 1's.
+  class PerSession:
+    def __init__(self):
+      self.i = 0
+
+    def measure(self, f, *, aggregate=True, iterations=1):
+      def wrapper(*args):
+        if iterations > 1:
+          raise RuntimeError("Kernel names are not consistent across iterations")
+        self.i += 1
+        return f(*args), _device_major([[10.0 * self.i], [10.0 * self.i + 3.0]])
+      return wrapper
+
+  monkeypatch.setattr(timing, "_measure_params", lambda: (PerSession(), {"iterations": None}))
+  monkeypatch.setattr(timing, "record_layout", lambda: timing.DEVICE_MAJOR)
+  t = timing.time_function(jax.jit(lambda a: a + 1), (jnp.ones(2),), iterations=3, warmup=0,
+                           timer="cupti", num_devices=2)
+  assert t.times_us == pytest.approx([13.0, 23.0, 33.0])
+  assert t.times_min_us == pytest.approx([10.0, 20.0, 30.0])
+  assert any("one CUPTI session per iteration" in n for n in t.notes)
+
+
+def test_record_layout_without_gpus_is_unknown():
+  assert timing.record_layout() == timing.UNKNOWN
+
+
 def test_cupti_other_runtime_errors_propagate(monkeypatch):
   class Broken(_FakeProfiler):
     def measure(self, f, *, aggregate=True, iterations=1):

@@ -12,39 +12,44 @@ Two timers, always named in the output (`Timing.timer`):
 
 Multi-device rule (CUPTI). The Mosaic GPU CUPTI extension returns
 `(kernel_name, ms)` records for *all* devices of the process, without a device
-id (jaxlib: "TODO(andportnoy) handle multi-GPU"). `profiler.measure` splits
-the records into `iterations` equal consecutive chunks and checks that kernel
-names repeat identically chunk to chunk. Within one chunk (one iteration, all
-devices) we rely on every device running the same SPMD program, so each
-kernel name occurs `c * num_devices` times (c launches per device). Then:
+id (jaxlib: "TODO(andportnoy) handle multi-GPU"), and `profiler.measure` splits
+them into `iterations` equal consecutive chunks as if they arrived iteration by
+iteration. On the GPU hosts measured they arrive device by device instead (each
+device's activity buffer in one run), so a chunk held consecutive iterations of
+one device, not one iteration of every device. `record_layout` checks the order
+once per process with marker kernels (one on device 0, another on the others);
+where each device's records come in one run, `pair_devices` regroups them, so
+each iteration holds every device's kernels, device by device, and:
 
-  step time (reported, `times_us`) = sum over kernel names of the sum of its
-      c largest durations: the time of a device that was the slowest in every
-      kernel. Exact for a one-kernel step (the fused kernel, the NCCL
-      reduce-scatter alone, the GEMM alone); an upper bound on the true
-      max-over-devices otherwise.
-  min across devices (`times_min_us`) = the same with the c smallest: JAX's own
+  step time (reported, `times_us`) = max over devices of the device's summed
+      kernel time in that iteration: the slowest device.
+  min across devices (`times_min_us`) = the same with the min: JAX's own
       choice (collective_matmul_mgpu: "the runtime that didn't include devices
-      waiting for other devices"), a lower bound on the fastest device.
+      waiting for other devices"), the fastest device.
 
-Two caveats, written into every multi-device record (`Timing.notes`):
-kernels that overlap on several streams of one device (XLA's windowed einsum)
-are summed, so their time is overstated; and the chunking assumes records
-arrive iteration by iteration. Each timing therefore also carries
-`host_batch_us`: wall clock of `iterations` back-to-back calls divided by
-`iterations`, an independent cross-check of the step time.
+Where the order is not device by device (or the probe cannot tell), the legacy
+rule runs and `Timing.rule` says so: each chunk is taken as one iteration of all
+devices; a kernel name occurring `c * num_devices` times contributes the sum of
+its c largest (step) / c smallest (min) durations.
+
+Caveats, written into every multi-device record (`Timing.notes`): kernels that
+overlap on several streams of one device (XLA's windowed einsum) are summed, so
+their time is overstated. Each timing also carries `host_batch_us`: wall clock
+of `iterations` back-to-back calls divided by `iterations`, an independent
+cross-check of the step time.
 
 If the names are not consistent across chunks (profiler.measure raises), each
-iteration is measured in its own CUPTI session (`iterations=1`), which makes
-the per-iteration grouping exact at the cost of a host sync between
-iterations; `Timing.notes` says so.
+iteration is measured in its own CUPTI session (`iterations=1`), at the cost of
+a host sync between iterations; `Timing.notes` says so.
 """
 from __future__ import annotations
 
 import collections
 from collections.abc import Callable, Sequence
 import dataclasses
+import functools
 import inspect
+import itertools
 import time
 from typing import Any
 
@@ -68,6 +73,8 @@ class Timing:
     timer: "cupti" or "host_wall_clock".
     times_us: per-iteration step time (max across devices, see module doc).
     times_min_us: per-iteration min across devices (None when not separable).
+    device_medians_us: per device, the median of its summed kernel time per
+      iteration (records paired with devices only; else None).
     rule: how per-device times were combined, in words.
     iterations: number of timed iterations.
     warmup: number of untimed calls after compilation.
@@ -87,6 +94,7 @@ class Timing:
   host_batch_us: float | None = None
   kernels: dict[str, dict[str, float]] | None = None
   notes: list[str] = dataclasses.field(default_factory=list)
+  device_medians_us: list[float] | None = None
 
   @property
   def median_us(self) -> float:
@@ -168,8 +176,8 @@ def time_function(fn: Callable[..., Any], args: Sequence[Any], *,
               "all outputs (all devices): no performance claims"),
         iterations=iterations, warmup=warmup, compile_s=compile_s)
   host_batch_us = _host_batch_us(compiled, args, iterations)
-  per_iter, notes = _cupti_kernels(compiled, args, iterations)
-  timing = kernels_to_timing(per_iter, num_devices)
+  per_iter, notes, paired = _cupti_kernels(compiled, args, iterations, num_devices)
+  timing = kernels_to_timing(per_iter, num_devices, paired=paired)
   timing.iterations, timing.warmup = iterations, warmup
   timing.compile_s, timing.host_batch_us = compile_s, host_batch_us
   timing.notes = notes + timing.notes
@@ -197,23 +205,26 @@ def _measure_params() -> Any:
   return profiler, inspect.signature(profiler.measure).parameters
 
 
-def _cupti_kernels(compiled, args, iterations: int
-                   ) -> tuple[list[Kernels], list[str]]:
+def _cupti_kernels(compiled, args, iterations: int, num_devices: int = 1
+                   ) -> tuple[list[Kernels], list[str], bool]:
   """Per-iteration kernel lists via profiler.measure, guarded across versions.
 
   jax 0.10.2 and 0.11.2: `measure(f, *, aggregate, iterations)`; older jax had
-  `mode=` and no `iterations` (then one session per iteration).
+  `mode=` and no `iterations` (then one session per iteration). Returns the
+  lists, notes and whether each list holds every device's records device by
+  device (`pair_devices`; then `kernels_to_timing(..., paired=True)`).
   """
   profiler, params = _measure_params()
   kwargs: dict[str, Any] = {"aggregate": False}
   if "mode" in params:
     kwargs["mode"] = "cupti"
   notes: list[str] = []
+  sessions: list[list[Kernels]] = []
   if "iterations" in params and iterations > 1:
     try:
       _, timings = profiler.measure(compiled, iterations=iterations,
                                     **kwargs)(*args)
-      return _as_iterations(timings, iterations), notes
+      sessions = [_as_iterations(timings, iterations)]
     except RuntimeError as e:
       # Narrow: only measure()'s own chunking checks send us to the fallback.
       if ("not consistent across iterations" not in str(e)
@@ -221,11 +232,85 @@ def _cupti_kernels(compiled, args, iterations: int
         raise
       notes.append(f"profiler.measure chunking failed ({e}); one CUPTI "
                    "session per iteration instead (host sync in between)")
-  per_iter = []
-  for _ in range(iterations):
-    _, timings = profiler.measure(compiled, **kwargs)(*args)
-    per_iter.extend(_as_iterations(timings, 1))
-  return per_iter, notes
+  if not sessions:
+    for _ in range(iterations):
+      _, timings = profiler.measure(compiled, **kwargs)(*args)
+      sessions.append(_as_iterations(timings, 1))
+  per_iter = [it for session in sessions for it in session]
+  if num_devices == 1:
+    return per_iter, notes, False
+  layout = record_layout()
+  if layout == DEVICE_MAJOR:
+    paired = [pair_devices([r for it in session for r in it], num_devices, len(session))
+              for session in sessions]
+    if all(p is not None for p in paired):
+      return [it for p in paired for it in p], notes, True
+    notes.append("CUPTI records did not split into equal runs per device: legacy rule")
+  else:
+    notes.append(f"CUPTI record order across devices: {layout} (record_layout): legacy rule")
+  return per_iter, notes, False
+
+
+# How one CUPTI session's records are ordered across devices (`record_layout`).
+DEVICE_MAJOR = "device_major"  # each device's records in one run
+INTERLEAVED = "interleaved"  # not device by device: the legacy chunking
+UNKNOWN = "unknown"  # the probe could not run or could not tell
+_PROBE_ROUNDS = 8
+
+
+def classify_layout(names: Sequence[str], rounds: int) -> str:
+  """The probe's verdict from its record names: device 0 ran one marker kernel
+  `rounds` times, every other device another, issued round-robin. DEVICE_MAJOR
+  if each run of equal names is a whole number of devices' worth (`rounds`),
+  INTERLEAVED if not, UNKNOWN if the markers cannot be told apart."""
+  if len(set(names)) != 2 or len(names) % rounds:
+    return UNKNOWN
+  runs = [len(list(group)) for _, group in itertools.groupby(names)]
+  return DEVICE_MAJOR if all(r % rounds == 0 for r in runs) else INTERLEAVED
+
+
+@functools.cache
+def record_layout() -> str:
+  """How CUPTI orders one session's kernel records across this process's GPUs,
+  probed once: `sin` on device 0 and `cos` on the others, issued round-robin in
+  one session (the Mosaic GPU extension's own, as `profiler.measure` opens it)."""
+  devices = [d for d in jax.local_devices() if d.platform == "gpu"]
+  if len(devices) < 2:
+    return UNKNOWN
+  try:
+    from jax._src.lib import mosaic_gpu as mosaic_gpu_lib  # pylint: disable=g-import-not-at-top
+    ext = mosaic_gpu_lib._mosaic_gpu_ext  # pylint: disable=protected-access
+    marks = [jax.jit(jnp.sin), jax.jit(jnp.cos)]
+    calls = [(marks[min(i, 1)], jax.device_put(jnp.ones((4096,), jnp.float32), d))
+             for i, d in enumerate(devices)]
+    for f, x in calls:
+      jax.block_until_ready(f(x))
+    ext._cupti_init()  # pylint: disable=protected-access
+    try:
+      jax.block_until_ready([f(x) for _ in range(_PROBE_ROUNDS) for f, x in calls])
+    finally:
+      records = ext._cupti_get_timings(True)  # pylint: disable=protected-access
+  except (AttributeError, ImportError, RuntimeError):
+    return UNKNOWN
+  return classify_layout([str(name) for name, _ in records or []], _PROBE_ROUNDS)
+
+
+def pair_devices(records: Kernels, num_devices: int, iterations: int
+                 ) -> list[Kernels] | None:
+  """One session's records, device by device (DEVICE_MAJOR), regrouped per
+  iteration: iteration i = device 0's kernels of its iteration i, then device
+  1's, ... None unless they split into `num_devices` equal runs of `iterations`
+  identical kernel-name sequences (every device runs the same SPMD program)."""
+  per_device, rem = divmod(len(records), num_devices)
+  k, rem2 = divmod(per_device, iterations)
+  if rem or rem2 or k == 0:
+    return None
+  names = [name for name, _ in records[:k]]
+  chunks = [records[j * k:(j + 1) * k] for j in range(num_devices * iterations)]
+  if any([name for name, _ in chunk] != names for chunk in chunks):
+    return None
+  return [[r for d in range(num_devices) for r in chunks[d * iterations + i]]
+          for i in range(iterations)]
 
 
 def _as_iterations(timings, iterations: int) -> list[Kernels]:
@@ -238,21 +323,46 @@ def _as_iterations(timings, iterations: int) -> list[Kernels]:
   return [[(str(name), float(ms)) for name, ms in it] for it in timings]
 
 
-def kernels_to_timing(per_iter: Sequence[Kernels], num_devices: int) -> Timing:
+def kernels_to_timing(per_iter: Sequence[Kernels], num_devices: int, *,
+                      paired: bool = False) -> Timing:
   """Applies the multi-device rule of the module docstring to CUPTI records.
 
   Args:
     per_iter: for each iteration, its (kernel name, ms) records of all devices.
     num_devices: devices that ran each iteration.
+    paired: each iteration's records are device by device, in equal runs
+      (`pair_devices`): the exact rule. Else the legacy rule by kernel name.
 
   Returns:
     A `Timing` with timer="cupti" (iterations/warmup/compile left at 0/None).
   """
   if not per_iter:
     raise ValueError("no iterations to combine")
-  times, times_min = [], []
   pooled: dict[str, list[float]] = collections.defaultdict(list)
+  for kernels in per_iter:
+    for name, ms in kernels:
+      pooled[name].append(ms * 1e3)
   counts0 = collections.Counter(name for name, _ in per_iter[0])
+  kernels_json = {
+      name[:160]: {
+          "count_per_iteration": counts0.get(name, 0),
+          "median_us": float(np.median(v)),
+          "max_us": float(np.max(v)),
+      } for name, v in pooled.items()
+  }
+  if paired and num_devices > 1:
+    per_device = [_device_sums(kernels, num_devices) for kernels in per_iter]
+    return Timing(
+        timer="cupti", times_us=[max(t) for t in per_device],
+        times_min_us=[min(t) for t in per_device],
+        rule=(f"{num_devices} devices, records paired with devices (CUPTI's order, "
+              "timing.record_layout): per iteration, max (step) / min over devices of "
+              "the device's summed kernel time; see pallas_rs/bench/timing.py"),
+        iterations=len(per_iter), warmup=0, kernels=kernels_json,
+        notes=["kernels overlapping on several streams of a device are summed "
+               "(overstated); compare with host_batch_us"],
+        device_medians_us=[float(np.median(t)) for t in zip(*per_device)])
+  times, times_min = [], []
   separable = all(
       count % num_devices == 0
       for kernels in per_iter
@@ -261,7 +371,6 @@ def kernels_to_timing(per_iter: Sequence[Kernels], num_devices: int) -> Timing:
     by_name: dict[str, list[float]] = collections.defaultdict(list)
     for name, ms in kernels:
       by_name[name].append(ms * 1e3)
-      pooled[name].append(ms * 1e3)
     step, fastest = 0.0, 0.0
     for durations in by_name.values():
       durations.sort()
@@ -277,24 +386,24 @@ def kernels_to_timing(per_iter: Sequence[Kernels], num_devices: int) -> Timing:
   if num_devices == 1:
     rule = "one device: sum of the iteration's kernel durations"
   elif separable:
-    rule = (f"{num_devices} devices, records without device ids: per kernel "
-            "name, sum of the c largest (step, max rule) / c smallest (min "
-            "rule) of its c*num_devices durations; see pallas_rs/bench/timing.py")
-    notes.append("multi-device CUPTI rule: exact for one-kernel steps, upper "
-                 "bound otherwise; kernels overlapping on several streams are "
-                 "summed (overstated); compare with host_batch_us")
+    rule = (f"{num_devices} devices, records not paired with devices (legacy rule): per "
+            "kernel name, sum of the c largest (step) / c smallest (min) of its "
+            "c*num_devices durations in the chunk; see pallas_rs/bench/timing.py")
+    notes.append("multi-device CUPTI legacy rule: a chunk is taken as one iteration of "
+                 "every device, which holds only where CUPTI orders records by "
+                 "iteration; upper bound for multi-kernel steps; kernels overlapping "
+                 "on several streams are summed (overstated); compare with host_batch_us")
   else:
     rule = (f"{num_devices} devices, kernel counts not divisible by "
             "num_devices: step = total kernel time / num_devices (mean), no "
             "min")
     notes.append("kernel records could not be split across devices")
-  kernels = {
-      name[:160]: {
-          "count_per_iteration": counts0.get(name, 0),
-          "median_us": float(np.median(v)),
-          "max_us": float(np.max(v)),
-      } for name, v in pooled.items()
-  }
   return Timing(timer="cupti", times_us=times,
                 times_min_us=times_min if separable else None, rule=rule,
-                iterations=len(times), warmup=0, kernels=kernels, notes=notes)
+                iterations=len(times), warmup=0, kernels=kernels_json, notes=notes)
+
+
+def _device_sums(kernels: Kernels, num_devices: int) -> list[float]:
+  """Per device, its summed kernel time (us) in one paired iteration."""
+  k = len(kernels) // num_devices
+  return [sum(ms for _, ms in kernels[d * k:(d + 1) * k]) * 1e3 for d in range(num_devices)]
