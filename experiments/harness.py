@@ -5,10 +5,11 @@ and JSON). Nothing here reads a flag: every function takes the shapes, implement
 devices and `Settings` (iterations, timer, check rule) it runs with, and returns records in
 the results schema of `bench_records.validate_record`.
 
-Per shape, a list of `Candidate`s (functions to time and check) is run one by one
-(`run_candidate`: compile, time with `pallas_rs.bench.timing`, check the output for fresh inputs
-against a numpy reference), then the shape's records are finished together: the error rule
-(ratio to the unfused candidate's error) and the overlap metrics need the baselines' records.
+Per shape, a list of `Candidate`s (functions to time and check) is run together
+(`run_candidates`: compile each, time them with `pallas_rs.bench.timing` in `Settings.rounds`
+rounds, in turn within a round, check each output for fresh inputs against a numpy
+reference), then the shape's records are finished together: the error rule (ratio to the
+unfused candidate's error) and the overlap metrics need the baselines' records.
 A shape's numpy reference is computed once, at its first check (memoized: no record depends on
 the order in which candidates run).
 
@@ -65,6 +66,8 @@ class Settings:
     max_error_ratio: the rule: max rel error <= this times the unfused path's.
     keep_going: record unexpected exceptions as "failed: ..." instead of raising.
     seed: PRNG seed of the timing inputs.
+    rounds: timing rounds per shape: each candidate's `iterations` split over them, the
+      shape's candidates timed in turn within each round.
     peak_flops: FLOP/s of the roofline estimates.
     bus_bandwidth: reduce-scatter bus bandwidth (B/s) of the estimates.
   """
@@ -75,6 +78,7 @@ class Settings:
   max_error_ratio: float = 1.1
   keep_going: bool = False
   seed: int = 0
+  rounds: int = 1
   peak_flops: float = metrics.MEASURED_PEAK_FLOPS_BF16
   bus_bandwidth: float = metrics.MEASURED_RS_BUS_BANDWIDTH
 
@@ -188,46 +192,109 @@ def _median(record) -> float | None:
 # ---------------------------------------------------------------------------
 
 
-def run_candidate(mode: str, shape: dict[str, Any], cand: Candidate, *, num_devices: int,
-                  settings: Settings) -> dict[str, Any]:
-  """Compiles, times and checks one candidate; returns its record.
-
-  The record's "check" holds only max_rel_error and reference until `run_candidates`
-  applies the shape's rule.
-  """
-  record = {
+def _new_record(mode: str, shape: dict[str, Any], cand: Candidate) -> dict[str, Any]:
+  return {
       "mode": mode, "shape": shape, "implementation": cand.implementation,
       "status": "ok", "timer": None, "performance_claims": False,
       "timing": None, "check": None, "throughput": None, "metrics": None,
       "estimates": None, "notes": [],
   }
-  logging.info("[%s] %s: %s", mode, shape["name"], cand.implementation)
+
+
+@dataclasses.dataclass
+class _Run:
+  """One candidate of a shape on its way through `run_candidates`."""
+  cand: Candidate
+  record: dict[str, Any]
+  compiled: Any = None
+  args: tuple = ()
+  check_args: tuple = ()
+  compile_s: float | None = None
+  rounds: list[timing.Timing] = dataclasses.field(default_factory=list)
+
+  @property
+  def ok(self) -> bool:
+    return self.record["status"] == "ok"
+
+
+def _guarded(run: _Run, settings: Settings, step: Callable[[], None]) -> None:
+  """Runs one step of `run`; a NotImplementedError marks it unavailable, any other exception
+  failed (with `settings.keep_going`; else it propagates)."""
   try:
-    fn, args, check_args = cand.build()
-    compiled, compile_s = timing.compile_function(fn, args)
-    if cand.hlo_probe is not None:
-      probe = cand.hlo_probe(compiled)
-      record["hlo"] = probe
-      record["notes"].extend(probe.get("notes", []))
-    t = timing.time_function(compiled, args, iterations=settings.iterations,
-                             warmup=settings.warmup, timer=settings.timer,
-                             num_devices=num_devices)
-    t.compile_s = compile_s
-    if settings.check and cand.check is not None:
-      out = compiled(*check_args)
-      err, label = cand.check(out)
-      record["check"] = {"max_rel_error": err, "reference": label}
-      del out
+    step()
   except NotImplementedError as e:
-    record["status"] = f"unavailable: {_status_of(e)}"
-    logging.info("  unavailable: %s", _status_of(e))
-    return record
+    run.record["status"] = f"unavailable: {_status_of(e)}"
+    logging.info("  %s unavailable: %s", run.cand.implementation, _status_of(e))
   except Exception as e:  # pylint: disable=broad-except
     if not settings.keep_going:
       raise
-    record["status"] = f"failed: {_status_of(e)}"
-    logging.exception("  failed (keep_going)")
-    return record
+    run.record["status"] = f"failed: {_status_of(e)}"
+    logging.exception("  %s failed (keep_going)", run.cand.implementation)
+
+
+def round_iterations(iterations: int, rounds: int) -> list[int]:
+  """`iterations` split into `rounds` nearly equal parts, the larger first."""
+  if not 1 <= rounds <= iterations:
+    raise ValueError(f"rounds={rounds} must be in [1, iterations={iterations}]")
+  q, r = divmod(iterations, rounds)
+  return [q + (i < r) for i in range(rounds)]
+
+
+def run_candidates(mode: str, shape: dict[str, Any], cands: Sequence[Candidate], *,
+                   num_devices: int, settings: Settings) -> list[dict[str, Any]]:
+  """Compiles every candidate, times them in `settings.rounds` rounds, each candidate in turn
+  within a round (so that a slow phase of the GPUs, which comes and goes over a second or so,
+  falls on all of them alike), checks each output for fresh inputs, then applies the error
+  rule (`check_block`: ratio to the shape's unfused candidate's error)."""
+  runs = [_Run(c, _new_record(mode, shape, c)) for c in cands]
+  for run in runs:
+    logging.info("[%s] %s: %s", mode, shape["name"], run.cand.implementation)
+
+    def compile_one(run=run):
+      fn, run.args, run.check_args = run.cand.build()
+      run.compiled, run.compile_s = timing.compile_function(fn, run.args)
+      if run.cand.hlo_probe is not None:
+        probe = run.cand.hlo_probe(run.compiled)
+        run.record["hlo"] = probe
+        run.record["notes"].extend(probe.get("notes", []))
+
+    _guarded(run, settings, compile_one)
+  for i, iterations in enumerate(round_iterations(settings.iterations, settings.rounds)):
+    for run in (r for r in runs if r.ok):
+
+      def time_one(run=run, iterations=iterations, first=i == 0):
+        run.rounds.append(timing.time_function(
+            run.compiled, run.args, iterations=iterations,
+            warmup=settings.warmup if first else 0, timer=settings.timer,
+            num_devices=num_devices))
+
+      _guarded(run, settings, time_one)
+  for run in runs:
+    if run.ok:
+      _guarded(run, settings, functools.partial(_finish, run, settings))
+  unfused = [r.record["check"] for r in runs if r.cand.role == "unfused"]
+  unfused_err = unfused[0]["max_rel_error"] if unfused and unfused[0] else None
+  for run in runs:
+    r = run.record
+    if r["check"] is not None:
+      r["check"] = check_block(r["check"]["max_rel_error"], r["check"]["reference"],
+                               role=run.cand.role, unfused_err=unfused_err,
+                               max_error_ratio=settings.max_error_ratio)
+  return [run.record for run in runs]
+
+
+def _finish(run: _Run, settings: Settings) -> None:
+  """The record of a timed candidate: its merged timing, throughput and (with
+  `settings.check`) the output's error for the check inputs ("check" holds only
+  max_rel_error and reference until `run_candidates` applies the rule)."""
+  t = timing.merge_rounds(run.rounds)
+  t.compile_s = run.compile_s
+  record, cand = run.record, run.cand
+  if settings.check and cand.check is not None:
+    out = run.compiled(*run.check_args)
+    err, label = cand.check(out)
+    record["check"] = {"max_rel_error": err, "reference": label}
+    del out
   record["timer"] = t.timer
   record["performance_claims"] = t.timer == "cupti"
   if t.timer == "host_wall_clock":
@@ -238,25 +305,9 @@ def run_candidate(mode: str, shape: dict[str, Any], cand: Candidate, *, num_devi
       "tflops": metrics.achieved_tflops(cand.flops, med_s) if med_s > 0 else None,
       "gbps": metrics.achieved_gbps(cand.bytes, med_s) if med_s > 0 else None,
   }
-  logging.info("  median %.2f us (%s)%s", t.median_us, t.timer,
+  logging.info("  %s: median %.2f us (%s)%s", cand.implementation, t.median_us, t.timer,
                "" if record["check"] is None else
                f", max rel err {record['check']['max_rel_error']:.3g}")
-  return record
-
-
-def run_candidates(mode: str, shape: dict[str, Any], cands: Sequence[Candidate], *,
-                   num_devices: int, settings: Settings) -> list[dict[str, Any]]:
-  """Runs `cands` in order, then applies the error rule (`check_block`) to their records."""
-  records = [run_candidate(mode, shape, c, num_devices=num_devices, settings=settings)
-             for c in cands]
-  unfused = [r["check"] for c, r in zip(cands, records) if c.role == "unfused"]
-  unfused_err = unfused[0]["max_rel_error"] if unfused and unfused[0] else None
-  for c, r in zip(cands, records):
-    if r["check"] is not None:
-      r["check"] = check_block(r["check"]["max_rel_error"], r["check"]["reference"],
-                               role=c.role, unfused_err=unfused_err,
-                               max_error_ratio=settings.max_error_ratio)
-  return records
 
 
 # ---------------------------------------------------------------------------

@@ -97,6 +97,9 @@ flags.DEFINE_list("implementations", None,
                   "mode, 'fused' otherwise. Baselines are always timed.")
 flags.DEFINE_integer("iterations", 200, "Timed iterations per function.")
 flags.DEFINE_integer("warmup", 2, "Untimed calls after compilation.")
+flags.DEFINE_integer("rounds", None, "Timing rounds per shape: --iterations split over "
+                     "them, the shape's functions timed in turn within each (so that a slow "
+                     "phase of the GPUs falls on all alike); default 4 on GPU, 1 otherwise.")
 flags.DEFINE_enum("timer", "auto", TIMERS, "auto: cupti on GPU, host wall "
                   "clock on CPU.")
 flags.DEFINE_string("out", "", "JSON output path; default "
@@ -142,6 +145,11 @@ def select_cases(mode: str) -> list[Any]:
   return cases
 
 
+# Rounds of a GPU run: 200 iterations as 4 x 50 (a slow phase of the H200s lasts ~20-40
+# iterations of a 5 ms step: BUILD_NOTES, seventy-seventh session).
+DEFAULT_GPU_ROUNDS = 4
+
+
 def settings_from_flags(timer: str):
   """harness.Settings of this run."""
   import harness  # pylint: disable=g-import-not-at-top
@@ -149,6 +157,8 @@ def settings_from_flags(timer: str):
   return harness.Settings(
       timer=timer, iterations=FLAGS.iterations, warmup=FLAGS.warmup, check=FLAGS.check,
       max_error_ratio=FLAGS.max_error_ratio, keep_going=FLAGS.keep_going, seed=FLAGS.seed,
+      rounds=FLAGS.rounds or (min(DEFAULT_GPU_ROUNDS, FLAGS.iterations)
+                              if timer == "cupti" else 1),
       peak_flops=FLAGS.peak_flops or metrics.MEASURED_PEAK_FLOPS_BF16,
       bus_bandwidth=FLAGS.bus_bandwidth or metrics.MEASURED_RS_BUS_BANDWIDTH)
 
@@ -159,6 +169,9 @@ def check_flags() -> None:
   flag_checks.shape_names("names", FLAGS.names)
   flag_checks.shape_tags("tags", FLAGS.tags)
   flag_checks.subset("implementations", FLAGS.implementations, api.IMPLEMENTATIONS)
+  if FLAGS.rounds is not None and not 1 <= FLAGS.rounds <= FLAGS.iterations:
+    raise app.UsageError(f"--rounds={FLAGS.rounds} must be in [1, --iterations="
+                         f"{FLAGS.iterations}]")
 
 
 def main(argv: Sequence[str]) -> int:

@@ -177,6 +177,63 @@ def test_flag_parsing(bench):
         c.name for c in shapes.SEED_CASES}
 
 
+def test_rounds_flag(bench):
+  with flagsaver.flagsaver(rounds=None, iterations=200):
+    assert bench.settings_from_flags("cupti").rounds == bench.DEFAULT_GPU_ROUNDS
+    assert bench.settings_from_flags("host_wall_clock").rounds == 1
+  with flagsaver.flagsaver(rounds=None, iterations=2):
+    assert bench.settings_from_flags("cupti").rounds == 2
+  with flagsaver.flagsaver(rounds=5, iterations=200):
+    assert bench.settings_from_flags("host_wall_clock").rounds == 5
+  with flagsaver.flagsaver(rounds=9, iterations=8):
+    with pytest.raises(app.UsageError, match="--rounds=9"):
+      bench.check_flags()
+
+
+def test_candidates_are_timed_in_alternating_rounds(harness, monkeypatch):
+  # Each candidate's iterations are split over the rounds and the candidates take turns within
+  # a round, so a slow phase of the GPUs falls on all of them; one compile each; the record's
+  # times are the rounds' in order.
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from pallas_rs.bench import timing  # pylint: disable=g-import-not-at-top
+
+  class Fn:
+    def __init__(self, name):
+      self.name = name
+
+    def __call__(self, a):
+      return a * 2
+
+  compiles, calls = [], []
+
+  def time_function(compiled, args, *, iterations, warmup, timer, num_devices):
+    calls.append((compiled.name, iterations, warmup))
+    return timing.Timing(timer="host_wall_clock", times_us=[float(len(calls))] * iterations,
+                         times_min_us=None, rule="fake", iterations=iterations, warmup=warmup)
+
+  monkeypatch.setattr(timing, "compile_function",
+                      lambda fn, args: (compiles.append(fn.name) or fn, 0.1))
+  monkeypatch.setattr(timing, "time_function", time_function)
+  args = (jnp.ones((4, 4), jnp.float32),)
+  cands = [harness.Candidate(name, lambda name=name: (Fn(name), args, args),
+                             lambda out: (0.0, "ref"), 1.0, 1.0, role=role)
+           for name, role in (("seq", "unfused"), ("xla", "judged"))]
+  shape = {"name": "ci_x", "m": 4, "n": 4, "k": 4, "num_devices": 1, "k_shard": 4,
+           "m_shard": 4, "dtype": "float32"}
+  settings = harness.Settings(timer="host_wall_clock", iterations=7, warmup=3, rounds=3)
+  seq, xla = harness.run_candidates("smoke", shape, cands, num_devices=1, settings=settings)
+  assert compiles == ["seq", "xla"]
+  assert calls == [("seq", 3, 3), ("xla", 3, 3), ("seq", 2, 0), ("xla", 2, 0), ("seq", 2, 0),
+                   ("xla", 2, 0)]
+  assert seq["timing"]["times_us"] == [1.0] * 3 + [3.0] * 2 + [5.0] * 2
+  assert xla["timing"]["times_us"] == [2.0] * 3 + [4.0] * 2 + [6.0] * 2
+  assert xla["timing"]["iterations"] == 7 and "3 rounds" in xla["timing"]["rule"]
+  assert xla["timing"]["compile_s"] == 0.1 and xla["check"]["passed"] is True
+  assert harness.round_iterations(7, 3) == [3, 2, 2]
+  with pytest.raises(ValueError, match="rounds=8"):
+    harness.round_iterations(7, 8)
+
+
 def test_stream_reference_matches_numpy_reference(harness):
   rng = np.random.default_rng(0)
   xs = rng.standard_normal((4, 16, 8))

@@ -271,14 +271,15 @@ def test_device_major_records_time_the_slowest_device(monkeypatch):
   t = timing.time_function(f, args, iterations=6, warmup=0, timer="cupti", num_devices=2)
   assert t.times_us == pytest.approx(dev1)
   assert t.times_min_us == pytest.approx(dev0)
-  assert t.device_medians_us == pytest.approx([102.5, 104.5])
+  assert t.device_times_us == [pytest.approx(dev0), pytest.approx(dev1)]
+  assert t.to_json()["device_medians_us"] == pytest.approx([102.5, 104.5])
   assert "paired with devices" in t.rule
   monkeypatch.setattr(timing, "record_layout", lambda: timing.INTERLEAVED)
   legacy = timing.time_function(f, args, iterations=6, warmup=0, timer="cupti", num_devices=2)
   assert legacy.times_us == pytest.approx([101.0, 103.0, 105.0, 103.0, 105.0, 107.0])
   assert "legacy rule" in legacy.rule
   assert any("interleaved" in n for n in legacy.notes)
-  assert legacy.device_medians_us is None
+  assert legacy.device_times_us is None and legacy.to_json()["device_medians_us"] is None
 
 
 def test_device_major_records_per_session_fallback(monkeypatch):
@@ -303,6 +304,23 @@ def test_device_major_records_per_session_fallback(monkeypatch):
   assert t.times_us == pytest.approx([13.0, 23.0, 33.0])
   assert t.times_min_us == pytest.approx([10.0, 20.0, 30.0])
   assert any("one CUPTI session per iteration" in n for n in t.notes)
+
+
+def test_merge_rounds():
+  a = timing.kernels_to_timing([[("k", 0.010), ("k", 0.012)]] * 2, 2, paired=True)
+  b = timing.kernels_to_timing([[("k", 0.020), ("k", 0.014)]], 2, paired=True)
+  a.host_batch_us, b.host_batch_us = 10.0, 40.0
+  a.notes.append("only in a")
+  t = timing.merge_rounds([a, b])
+  assert t.times_us == pytest.approx([12.0, 12.0, 20.0])
+  assert t.times_min_us == pytest.approx([10.0, 10.0, 14.0])
+  assert t.device_times_us == [pytest.approx([10.0, 10.0, 20.0]), pytest.approx([12.0, 12.0, 14.0])]
+  assert t.iterations == 3 and t.host_batch_us == pytest.approx(20.0)
+  assert t.kernels["k"]["max_us"] == pytest.approx(20.0)
+  assert "2 rounds" in t.rule and t.notes.count("only in a") == 1
+  assert timing.merge_rounds([a]).rule == a.rule
+  with pytest.raises(ValueError, match="no rounds"):
+    timing.merge_rounds([])
 
 
 def test_record_layout_without_gpus_is_unknown():

@@ -73,8 +73,8 @@ class Timing:
     timer: "cupti" or "host_wall_clock".
     times_us: per-iteration step time (max across devices, see module doc).
     times_min_us: per-iteration min across devices (None when not separable).
-    device_medians_us: per device, the median of its summed kernel time per
-      iteration (records paired with devices only; else None).
+    device_times_us: per device, its summed kernel time per iteration (records
+      paired with devices only; else None).
     rule: how per-device times were combined, in words.
     iterations: number of timed iterations.
     warmup: number of untimed calls after compilation.
@@ -94,7 +94,7 @@ class Timing:
   host_batch_us: float | None = None
   kernels: dict[str, dict[str, float]] | None = None
   notes: list[str] = dataclasses.field(default_factory=list)
-  device_medians_us: list[float] | None = None
+  device_times_us: list[list[float]] | None = None
 
   @property
   def median_us(self) -> float:
@@ -105,6 +105,8 @@ class Timing:
     out["stats"] = metrics.summarize(self.times_us)
     out["stats_min_across_devices"] = (
         metrics.summarize(self.times_min_us) if self.times_min_us else None)
+    out["device_medians_us"] = (
+        [float(np.median(t)) for t in self.device_times_us] if self.device_times_us else None)
     return out
 
 
@@ -182,6 +184,41 @@ def time_function(fn: Callable[..., Any], args: Sequence[Any], *,
   timing.compile_s, timing.host_batch_us = compile_s, host_batch_us
   timing.notes = notes + timing.notes
   return timing
+
+
+def merge_rounds(rounds: Sequence[Timing]) -> Timing:
+  """One `Timing` from the rounds of one function timed in turn with others (the harness
+  alternates candidates round by round, so that a slow phase of the GPUs falls on all of
+  them alike): times concatenated in round order; per kernel, the max and the median of
+  the rounds' medians; `host_batch_us` weighted by iterations."""
+  if not rounds:
+    raise ValueError("no rounds to merge")
+  first = rounds[0]
+  if any(t.timer != first.timer for t in rounds):
+    raise ValueError(f"rounds with different timers: {[t.timer for t in rounds]}")
+  iterations = sum(t.iterations for t in rounds)
+  batches = [t.host_batch_us for t in rounds]
+  kernels = None
+  if all(t.kernels for t in rounds):
+    kernels = {name: {"count_per_iteration": info["count_per_iteration"],
+                      "median_us": float(np.median([t.kernels[name]["median_us"]
+                                                    for t in rounds if name in t.kernels])),
+                      "max_us": max(t.kernels[name]["max_us"]
+                                    for t in rounds if name in t.kernels)}
+               for name, info in first.kernels.items()}
+  devices = [t.device_times_us for t in rounds]
+  return Timing(
+      timer=first.timer, times_us=[x for t in rounds for x in t.times_us],
+      times_min_us=(None if any(t.times_min_us is None for t in rounds)
+                    else [x for t in rounds for x in t.times_min_us]),
+      rule=first.rule + (f"; {len(rounds)} rounds, alternating with the other candidates"
+                         if len(rounds) > 1 else ""),
+      iterations=iterations, warmup=first.warmup, compile_s=first.compile_s,
+      host_batch_us=(None if None in batches else
+                     sum(b * t.iterations for b, t in zip(batches, rounds)) / iterations),
+      kernels=kernels, notes=list(dict.fromkeys(n for t in rounds for n in t.notes)),
+      device_times_us=(None if None in devices else
+                       [[x for part in parts for x in part] for parts in zip(*devices)]))
 
 
 def _host_times_us(compiled, args, iterations: int) -> list[float]:
@@ -361,7 +398,7 @@ def kernels_to_timing(per_iter: Sequence[Kernels], num_devices: int, *,
         iterations=len(per_iter), warmup=0, kernels=kernels_json,
         notes=["kernels overlapping on several streams of a device are summed "
                "(overstated); compare with host_batch_us"],
-        device_medians_us=[float(np.median(t)) for t in zip(*per_device)])
+        device_times_us=[list(t) for t in zip(*per_device)])
   times, times_min = [], []
   separable = all(
       count % num_devices == 0
