@@ -327,6 +327,23 @@ def test_record_layout_without_gpus_is_unknown():
   assert timing.record_layout() == timing.UNKNOWN
 
 
+def test_cupti_sessions_bound_the_outputs_in_flight(monkeypatch):
+  # profiler.measure holds every call's outputs until its session ends: a function whose
+  # outputs would not fit is timed in several sessions (16 B of output, 32 B allowed: 2 calls).
+  fake = _FakeProfiler()
+  monkeypatch.setattr(timing, "_measure_params", lambda: (
+      fake, {"f": None, "aggregate": None, "iterations": None}))
+  monkeypatch.setattr(timing, "MAX_OUTPUT_BYTES_IN_FLIGHT", 32)
+  t = timing.time_function(jax.jit(lambda a: a * 2), (jnp.ones(4, jnp.float32),),
+                           iterations=5, warmup=0, timer="cupti", num_devices=2)
+  assert fake.calls == [2, 2, 1]
+  assert t.iterations == 5 and t.times_us == pytest.approx([7.0] * 5)
+  assert any("3 CUPTI sessions of <= 2 calls" in n for n in t.notes)
+  assert timing._session_sizes(200, None) == [200]  # pylint: disable=protected-access
+  assert timing._session_sizes(200, 60) == [50, 50, 50, 50]  # pylint: disable=protected-access
+  assert timing._session_sizes(7, 3) == [3, 2, 2]  # pylint: disable=protected-access
+
+
 def test_cupti_other_runtime_errors_propagate(monkeypatch):
   class Broken(_FakeProfiler):
     def measure(self, f, *, aggregate=True, iterations=1):

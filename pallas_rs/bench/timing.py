@@ -177,13 +177,50 @@ def time_function(fn: Callable[..., Any], args: Sequence[Any], *,
         rule=("host wall clock per call incl. dispatch, block_until_ready on "
               "all outputs (all devices): no performance claims"),
         iterations=iterations, warmup=warmup, compile_s=compile_s)
-  host_batch_us = _host_batch_us(compiled, args, iterations)
-  per_iter, notes, paired = _cupti_kernels(compiled, args, iterations, num_devices)
-  timing = kernels_to_timing(per_iter, num_devices, paired=paired)
+  sessions = _session_sizes(iterations, _calls_in_flight(compiled))
+  per_iter, notes, paired, batch = [], [], [], 0.0
+  for calls in sessions:
+    batch += _host_batch_us(compiled, args, calls) * calls
+    its, session_notes, session_paired = _cupti_kernels(compiled, args, calls, num_devices)
+    per_iter += its
+    notes += [n for n in session_notes if n not in notes]
+    paired.append(session_paired)
+  if len(sessions) > 1:
+    notes.append(f"{len(sessions)} CUPTI sessions of <= {sessions[0]} calls (each session "
+                 f"holds its calls' outputs: <= {MAX_OUTPUT_BYTES_IN_FLIGHT >> 30} GiB)")
+  timing = kernels_to_timing(per_iter, num_devices, paired=all(paired))
   timing.iterations, timing.warmup = iterations, warmup
-  timing.compile_s, timing.host_batch_us = compile_s, host_batch_us
+  timing.compile_s, timing.host_batch_us = compile_s, batch / iterations
   timing.notes = notes + timing.notes
   return timing
+
+
+# Outputs that timed calls may hold at once, per device: profiler.measure keeps every call's
+# outputs until its session ends (a loopback D = 8 output at M = 32768 is 4.3 GB, so 200 calls
+# would not fit an H200: BUILD_NOTES, seventy-seventh session).
+MAX_OUTPUT_BYTES_IN_FLIGHT = 16 << 30
+
+
+def _calls_in_flight(compiled) -> int | None:
+  """How many calls' outputs fit MAX_OUTPUT_BYTES_IN_FLIGHT per device (None: no limit)."""
+  try:
+    infos = jax.tree.leaves(compiled.out_info)
+  except AttributeError:
+    return None
+  nbytes = 0
+  for info in infos:
+    shape = info.shape
+    if getattr(info, "sharding", None) is not None:
+      shape = info.sharding.shard_shape(shape)
+    nbytes += int(np.prod(shape)) * np.dtype(info.dtype).itemsize
+  return max(1, MAX_OUTPUT_BYTES_IN_FLIGHT // nbytes) if nbytes else None
+
+
+def _session_sizes(iterations: int, limit: int | None) -> list[int]:
+  """`iterations` as CUPTI sessions of at most `limit` calls, nearly equal, larger first."""
+  sessions = 1 if limit is None else -(-iterations // limit)
+  q, r = divmod(iterations, sessions)
+  return [q + (i < r) for i in range(sessions)]
 
 
 def merge_rounds(rounds: Sequence[Timing]) -> Timing:
