@@ -7,7 +7,8 @@
 
 Per shape (seed or proxy8 names) and config (--configs: variant names of
 config_variants.variant_config applied to the config "fused" runs for the shape: the tuning
-table's, else the default), times (CUPTI device time, median of --iterations) the fused kernel
+table's, else the default), times (CUPTI device time, median of --iterations, in --rounds
+rounds that alternate the variants) the fused kernel
 as is and with `ablate` = "comm" (peer tiles stored locally, no signals or waits), "reduce" (no
 loads and adds of received partials), both ("neither": the GEMM core and its local epilogue),
 or "no_add" ("comm" with the owner's partials loaded but not read into registers and added),
@@ -48,6 +49,8 @@ _ALONE = flags.DEFINE_bool("alone", False, "One GPU: rank --rank of a --num_devi
                            "alone on the GPU (fused.rank_alone) instead of the loopback.")
 _RANK = flags.DEFINE_integer("rank", 0, "--alone: which rank's program.")
 _ITERS = flags.DEFINE_integer("iterations", 100, "Timed iterations per variant.")
+_ROUNDS = flags.DEFINE_integer("rounds", 4, "Timing rounds: --iterations split over them, the "
+                               "variants of a shape timed in turn within each.")
 _OUT = flags.DEFINE_string("out", "", "JSON output path; default experiments/out/"
                            "ablate_<mode>.json (git-ignored).")
 _CONFIGS = flags.DEFINE_list("configs", ["table"], "Config variants per shape "
@@ -76,6 +79,8 @@ def check_flags() -> None:
   flag_checks.shape_names("names", _NAMES.value)
   flag_checks.variant_names("configs", _CONFIGS.value)
   flag_checks.subset("ablations", _ABLATIONS.value, VARIANTS)
+  if _ROUNDS.value < 1:
+    raise app.UsageError(f"--rounds={_ROUNDS.value} must be >= 1")
 
 
 def main(argv):
@@ -162,10 +167,19 @@ def main(argv):
       for label in _ABLATIONS.value:
         key = label if cname == "table" else f"{cname}:{label}"
         fns[key], cfgs[key] = build(VARIANTS[label], cfg), cfg
-    for label, fn in fns.items():
-      t = timing.time_function(fn, args, iterations=_ITERS.value, num_devices=d if nvlink else 1)
-      row["times_us"][label] = t.times_us
-      row.setdefault("timer", t.timer)
+    # Every variant compiled first, then timed in rounds, in turn within each (a slow phase of
+    # the GPUs falls on all alike: BUILD_NOTES, seventy-seventh session).
+    compiled = {label: timing.compile_function(fn, args)[0] for label, fn in fns.items()}
+    rounds = {label: [] for label in fns}
+    for i, iterations in enumerate(timing.round_iterations(
+        _ITERS.value, min(_ROUNDS.value, _ITERS.value))):
+      for label, fn in compiled.items():
+        rounds[label].append(timing.time_function(
+            fn, args, iterations=iterations, warmup=2 if i == 0 else 0,
+            num_devices=d if nvlink else 1))
+    for label, parts in rounds.items():
+      row["times_us"][label] = timing.merge_rounds(parts).times_us
+      row.setdefault("timer", parts[0].timer)
     unfused_errors = {}  # by the order of the unfused path's sum
     unfused_fn = lambda order: fns["xla_seq"] if order == "nccl" else testing.loopback_unfused(
         order)

@@ -163,7 +163,7 @@ def environment_block(argv: Sequence[str]) -> dict[str, Any]:
       "git_commit": commit,
       "git_dirty": bool(status) if status is not None else None,
       "git_tree": working_tree_id(),
-      # How CUPTI orders kernel records across GPUs (pallas_rs.bench.timing.record_layout).
+      # How CUPTI orders kernel records across GPUs (pallas_rs.bench.cupti.record_layout).
       "cupti_record_layout": _record_layout(jax),
       "command": " ".join(shlex.quote(a) for a in [sys.executable, *argv]),
       "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(),
@@ -173,8 +173,8 @@ def environment_block(argv: Sequence[str]) -> dict[str, Any]:
 def _record_layout(jax) -> str | None:
   if jax.default_backend() != "gpu" or len(jax.local_devices()) < 2:
     return None
-  from pallas_rs.bench import timing  # pylint: disable=g-import-not-at-top
-  return timing.record_layout()
+  from pallas_rs.bench import cupti  # pylint: disable=g-import-not-at-top
+  return cupti.record_layout()
 
 
 # ---------------------------------------------------------------------------

@@ -232,14 +232,6 @@ def _guarded(run: _Run, settings: Settings, step: Callable[[], None]) -> None:
     logging.exception("  %s failed (keep_going)", run.cand.implementation)
 
 
-def round_iterations(iterations: int, rounds: int) -> list[int]:
-  """`iterations` split into `rounds` nearly equal parts, the larger first."""
-  if not 1 <= rounds <= iterations:
-    raise ValueError(f"rounds={rounds} must be in [1, iterations={iterations}]")
-  q, r = divmod(iterations, rounds)
-  return [q + (i < r) for i in range(rounds)]
-
-
 def run_candidates(mode: str, shape: dict[str, Any], cands: Sequence[Candidate], *,
                    num_devices: int, settings: Settings) -> list[dict[str, Any]]:
   """Compiles every candidate, times them in `settings.rounds` rounds, each candidate in turn
@@ -259,7 +251,7 @@ def run_candidates(mode: str, shape: dict[str, Any], cands: Sequence[Candidate],
         run.record["notes"].extend(probe.get("notes", []))
 
     _guarded(run, settings, compile_one)
-  for i, iterations in enumerate(round_iterations(settings.iterations, settings.rounds)):
+  for i, iterations in enumerate(timing.round_iterations(settings.iterations, settings.rounds)):
     for run in (r for r in runs if r.ok):
 
       def time_one(run=run, iterations=iterations, first=i == 0):

@@ -64,6 +64,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import numpy as np
 
 from pallas_rs.tuning import metrics
+from pallas_rs.bench import cupti
 from pallas_rs.bench import timing
 
 _OUT = flags.DEFINE_string("out", "", "JSON path (the PNG goes next to it); default "
@@ -642,8 +643,7 @@ def measure(compiled, args, *, kernel_name: str, iterations: int, warmup: int,
   for _ in range(warmup):
     jax.block_until_ready(compiled(*args))
   # timing.time_function sums every kernel of a step; the records are needed per kernel name.
-  per_iter, notes, paired = timing._cupti_kernels(  # pylint: disable=protected-access
-      compiled, args, iterations, num_devices)
+  per_iter, notes, paired = cupti.session_kernels(compiled, args, iterations, num_devices)
   step = timing.kernels_to_timing(per_iter, num_devices, paired=paired)
   # Filtering keeps a paired iteration's equal runs per device (one program on every device).
   mine = [[rec for rec in it if kernel_name in rec[0]] for it in per_iter]

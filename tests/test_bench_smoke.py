@@ -229,9 +229,9 @@ def test_candidates_are_timed_in_alternating_rounds(harness, monkeypatch):
   assert xla["timing"]["times_us"] == [2.0] * 3 + [4.0] * 2 + [6.0] * 2
   assert xla["timing"]["iterations"] == 7 and "3 rounds" in xla["timing"]["rule"]
   assert xla["timing"]["compile_s"] == 0.1 and xla["check"]["passed"] is True
-  assert harness.round_iterations(7, 3) == [3, 2, 2]
+  assert timing.round_iterations(7, 3) == [3, 2, 2]
   with pytest.raises(ValueError, match="rounds=8"):
-    harness.round_iterations(7, 8)
+    timing.round_iterations(7, 8)
 
 
 def test_stream_reference_matches_numpy_reference(harness):

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from pallas_rs.tuning import metrics
+from pallas_rs.bench import cupti
 from pallas_rs.bench import timing
 
 
@@ -191,7 +192,7 @@ class _FakeProfiler:
 @pytest.mark.parametrize("fail_chunking", [False, True])
 def test_cupti_path_with_fake_profiler(monkeypatch, fail_chunking):
   fake = _FakeProfiler(fail_chunking)
-  monkeypatch.setattr(timing, "_measure_params", lambda: (
+  monkeypatch.setattr(cupti, "_measure_params", lambda: (
       fake, {"f": None, "aggregate": None, "iterations": None}))
   f = jax.jit(lambda a: a * 2)
   t = timing.time_function(f, (jnp.ones(4),), iterations=3, warmup=1,
@@ -215,13 +216,13 @@ def test_cupti_path_with_fake_profiler(monkeypatch, fail_chunking):
 
 def test_classify_layout():
   s, c = "loop_sine_fusion", "loop_cosine_fusion"
-  assert timing.classify_layout([s] * 8 + [c] * 8, 8) == timing.DEVICE_MAJOR
+  assert cupti.classify_layout([s] * 8 + [c] * 8, 8) == cupti.DEVICE_MAJOR
   # D = 3 with device 0's run between the others'.
-  assert timing.classify_layout([c] * 8 + [s] * 8 + [c] * 8, 8) == timing.DEVICE_MAJOR
-  assert timing.classify_layout([s, c] * 8, 8) == timing.INTERLEAVED
-  assert timing.classify_layout([s, s, c, c] * 4, 8) == timing.INTERLEAVED
-  assert timing.classify_layout([s] * 16, 8) == timing.UNKNOWN
-  assert timing.classify_layout([], 8) == timing.UNKNOWN
+  assert cupti.classify_layout([c] * 8 + [s] * 8 + [c] * 8, 8) == cupti.DEVICE_MAJOR
+  assert cupti.classify_layout([s, c] * 8, 8) == cupti.INTERLEAVED
+  assert cupti.classify_layout([s, s, c, c] * 4, 8) == cupti.INTERLEAVED
+  assert cupti.classify_layout([s] * 16, 8) == cupti.UNKNOWN
+  assert cupti.classify_layout([], 8) == cupti.UNKNOWN
 
 
 def _device_major(per_device_us, names=("gemm", "cast")):
@@ -233,13 +234,13 @@ def _device_major(per_device_us, names=("gemm", "cast")):
 
 def test_pair_devices_regroups_device_major_records():
   flat = _device_major([[10.0, 11.0, 12.0], [20.0, 21.0, 22.0]])
-  paired = timing.pair_devices(flat, num_devices=2, iterations=3)
+  paired = cupti.pair_devices(flat, num_devices=2, iterations=3)
   assert [[round(ms * 1e3, 6) for _, ms in it] for it in paired] == [
       [9.0, 1.0, 19.0, 1.0], [10.0, 1.0, 20.0, 1.0], [11.0, 1.0, 21.0, 1.0]]
-  assert timing.pair_devices(flat, num_devices=2, iterations=4) is None
-  assert timing.pair_devices(flat[:-1], num_devices=2, iterations=3) is None
+  assert cupti.pair_devices(flat, num_devices=2, iterations=4) is None
+  assert cupti.pair_devices(flat[:-1], num_devices=2, iterations=3) is None
   swapped = flat[:2] + [flat[3], flat[2]] + flat[4:]  # a run whose names differ
-  assert timing.pair_devices(swapped, num_devices=2, iterations=3) is None
+  assert cupti.pair_devices(swapped, num_devices=2, iterations=3) is None
 
 
 class _DeviceMajorProfiler:
@@ -264,17 +265,17 @@ def test_device_major_records_time_the_slowest_device(monkeypatch):
   dev0 = [100.0 + i for i in range(6)]
   dev1 = [102.0 + i for i in range(6)]
   fake = _DeviceMajorProfiler([dev0, dev1])
-  monkeypatch.setattr(timing, "_measure_params", lambda: (fake, {"iterations": None}))
+  monkeypatch.setattr(cupti, "_measure_params", lambda: (fake, {"iterations": None}))
   f = jax.jit(lambda a: a * 2)
   args = (jnp.ones(4),)
-  monkeypatch.setattr(timing, "record_layout", lambda: timing.DEVICE_MAJOR)
+  monkeypatch.setattr(cupti, "record_layout", lambda: cupti.DEVICE_MAJOR)
   t = timing.time_function(f, args, iterations=6, warmup=0, timer="cupti", num_devices=2)
   assert t.times_us == pytest.approx(dev1)
   assert t.times_min_us == pytest.approx(dev0)
   assert t.device_times_us == [pytest.approx(dev0), pytest.approx(dev1)]
   assert t.to_json()["device_medians_us"] == pytest.approx([102.5, 104.5])
   assert "paired with devices" in t.rule
-  monkeypatch.setattr(timing, "record_layout", lambda: timing.INTERLEAVED)
+  monkeypatch.setattr(cupti, "record_layout", lambda: cupti.INTERLEAVED)
   legacy = timing.time_function(f, args, iterations=6, warmup=0, timer="cupti", num_devices=2)
   assert legacy.times_us == pytest.approx([101.0, 103.0, 105.0, 103.0, 105.0, 107.0])
   assert "legacy rule" in legacy.rule
@@ -297,8 +298,8 @@ def test_device_major_records_per_session_fallback(monkeypatch):
         return f(*args), _device_major([[10.0 * self.i], [10.0 * self.i + 3.0]])
       return wrapper
 
-  monkeypatch.setattr(timing, "_measure_params", lambda: (PerSession(), {"iterations": None}))
-  monkeypatch.setattr(timing, "record_layout", lambda: timing.DEVICE_MAJOR)
+  monkeypatch.setattr(cupti, "_measure_params", lambda: (PerSession(), {"iterations": None}))
+  monkeypatch.setattr(cupti, "record_layout", lambda: cupti.DEVICE_MAJOR)
   t = timing.time_function(jax.jit(lambda a: a + 1), (jnp.ones(2),), iterations=3, warmup=0,
                            timer="cupti", num_devices=2)
   assert t.times_us == pytest.approx([13.0, 23.0, 33.0])
@@ -324,14 +325,14 @@ def test_merge_rounds():
 
 
 def test_record_layout_without_gpus_is_unknown():
-  assert timing.record_layout() == timing.UNKNOWN
+  assert cupti.record_layout() == cupti.UNKNOWN
 
 
 def test_cupti_sessions_bound_the_outputs_in_flight(monkeypatch):
   # profiler.measure holds every call's outputs until its session ends: a function whose
   # outputs would not fit is timed in several sessions (16 B of output, 32 B allowed: 2 calls).
   fake = _FakeProfiler()
-  monkeypatch.setattr(timing, "_measure_params", lambda: (
+  monkeypatch.setattr(cupti, "_measure_params", lambda: (
       fake, {"f": None, "aggregate": None, "iterations": None}))
   monkeypatch.setattr(timing, "MAX_OUTPUT_BYTES_IN_FLIGHT", 32)
   t = timing.time_function(jax.jit(lambda a: a * 2), (jnp.ones(4, jnp.float32),),
@@ -350,7 +351,7 @@ def test_cupti_other_runtime_errors_propagate(monkeypatch):
       def wrapper(*args):
         raise RuntimeError("CUPTI profiling is not supported on this platform")
       return wrapper
-  monkeypatch.setattr(timing, "_measure_params",
+  monkeypatch.setattr(cupti, "_measure_params",
                       lambda: (Broken(), {"iterations": None}))
   with pytest.raises(RuntimeError, match="not supported"):
     timing.time_function(jax.jit(lambda a: a + 1), (jnp.ones(2),),

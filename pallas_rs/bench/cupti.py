@@ -1,0 +1,158 @@
+"""CUPTI kernel records of a timed function, and which device and iteration each belongs to.
+
+The Mosaic GPU extension's CUPTI session returns `(kernel_name, ms)` records for *all* devices
+of the process, without a device id (jaxlib: "TODO(andportnoy) handle multi-GPU"), appended
+buffer by buffer as CUPTI completes them; `profiler.measure` splits them into `iterations`
+equal consecutive chunks as if they arrived iteration by iteration. On the GPU hosts measured
+they arrive device by device (each device's buffer in one run: BUILD_NOTES, seventy-seventh
+session), so a chunk held consecutive iterations of one device. `record_layout` checks the
+order once per process with marker kernels; where each device's records come in one run,
+`pair_devices` regroups them so that each iteration holds every device's kernels, device by
+device (`pallas_rs.bench.timing` turns them into step times).
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+Kernels = list[tuple[str, float]]  # one iteration: (kernel name, ms)
+
+
+def available() -> bool:
+  """Whether this jaxlib has the Mosaic GPU extension that holds CUPTI."""
+  try:
+    from jax._src.lib import mosaic_gpu as mosaic_gpu_lib  # pylint: disable=g-import-not-at-top
+    from jax.experimental.mosaic.gpu import profiler  # pylint: disable=g-import-not-at-top,unused-import
+  except ImportError:
+    return False
+  return mosaic_gpu_lib is not None
+
+
+def _measure_params() -> Any:
+  from jax.experimental.mosaic.gpu import profiler  # pylint: disable=g-import-not-at-top
+  return profiler, inspect.signature(profiler.measure).parameters
+
+
+def session_kernels(compiled, args, iterations: int, num_devices: int = 1
+                    ) -> tuple[list[Kernels], list[str], bool]:
+  """Per-iteration kernel lists of `iterations` calls in one CUPTI session, via
+  profiler.measure, guarded across versions.
+
+  jax 0.10.2 and 0.11.2: `measure(f, *, aggregate, iterations)`; older jax had
+  `mode=` and no `iterations` (then one session per iteration). Returns the
+  lists, notes and whether each list holds every device's records device by
+  device (`pair_devices`; then timing's `kernels_to_timing(..., paired=True)`).
+  """
+  profiler, params = _measure_params()
+  kwargs: dict[str, Any] = {"aggregate": False}
+  if "mode" in params:
+    kwargs["mode"] = "cupti"
+  notes: list[str] = []
+  sessions: list[list[Kernels]] = []
+  if "iterations" in params and iterations > 1:
+    try:
+      _, timings = profiler.measure(compiled, iterations=iterations,
+                                    **kwargs)(*args)
+      sessions = [_as_iterations(timings, iterations)]
+    except RuntimeError as e:
+      # Narrow: only measure()'s own chunking checks send us to the fallback.
+      if ("not consistent across iterations" not in str(e)
+          and "not divisible by the number of iterations" not in str(e)):
+        raise
+      notes.append(f"profiler.measure chunking failed ({e}); one CUPTI "
+                   "session per iteration instead (host sync in between)")
+  if not sessions:
+    for _ in range(iterations):
+      _, timings = profiler.measure(compiled, **kwargs)(*args)
+      sessions.append(_as_iterations(timings, 1))
+  per_iter = [it for session in sessions for it in session]
+  if num_devices == 1:
+    return per_iter, notes, False
+  layout = record_layout()
+  if layout == DEVICE_MAJOR:
+    paired = [pair_devices([r for it in session for r in it], num_devices, len(session))
+              for session in sessions]
+    if all(p is not None for p in paired):
+      return [it for p in paired for it in p], notes, True
+    notes.append("CUPTI records did not split into equal runs per device: legacy rule")
+  else:
+    notes.append(f"CUPTI record order across devices: {layout} (record_layout): legacy rule")
+  return per_iter, notes, False
+
+
+# How one CUPTI session's records are ordered across devices (`record_layout`).
+DEVICE_MAJOR = "device_major"  # each device's records in one run
+INTERLEAVED = "interleaved"  # not device by device: the legacy chunking
+UNKNOWN = "unknown"  # the probe could not run or could not tell
+_PROBE_ROUNDS = 8
+
+
+def classify_layout(names: Sequence[str], rounds: int) -> str:
+  """The probe's verdict from its record names: device 0 ran one marker kernel
+  `rounds` times, every other device another, issued round-robin. DEVICE_MAJOR
+  if each run of equal names is a whole number of devices' worth (`rounds`),
+  INTERLEAVED if not, UNKNOWN if the markers cannot be told apart."""
+  if len(set(names)) != 2 or len(names) % rounds:
+    return UNKNOWN
+  runs = [len(list(group)) for _, group in itertools.groupby(names)]
+  return DEVICE_MAJOR if all(r % rounds == 0 for r in runs) else INTERLEAVED
+
+
+@functools.cache
+def record_layout() -> str:
+  """How CUPTI orders one session's kernel records across this process's GPUs,
+  probed once: `sin` on device 0 and `cos` on the others, issued round-robin in
+  one session (the Mosaic GPU extension's own, as `profiler.measure` opens it)."""
+  devices = [d for d in jax.local_devices() if d.platform == "gpu"]
+  if len(devices) < 2:
+    return UNKNOWN
+  try:
+    from jax._src.lib import mosaic_gpu as mosaic_gpu_lib  # pylint: disable=g-import-not-at-top
+    ext = mosaic_gpu_lib._mosaic_gpu_ext  # pylint: disable=protected-access
+    marks = [jax.jit(jnp.sin), jax.jit(jnp.cos)]
+    calls = [(marks[min(i, 1)], jax.device_put(jnp.ones((4096,), jnp.float32), d))
+             for i, d in enumerate(devices)]
+    for f, x in calls:
+      jax.block_until_ready(f(x))
+    ext._cupti_init()  # pylint: disable=protected-access
+    try:
+      jax.block_until_ready([f(x) for _ in range(_PROBE_ROUNDS) for f, x in calls])
+    finally:
+      records = ext._cupti_get_timings(True)  # pylint: disable=protected-access
+  except (AttributeError, ImportError, RuntimeError):
+    return UNKNOWN
+  return classify_layout([str(name) for name, _ in records or []], _PROBE_ROUNDS)
+
+
+def pair_devices(records: Kernels, num_devices: int, iterations: int
+                 ) -> list[Kernels] | None:
+  """One session's records, device by device (DEVICE_MAJOR), regrouped per
+  iteration: iteration i = device 0's kernels of its iteration i, then device
+  1's, ... None unless they split into `num_devices` equal runs of `iterations`
+  identical kernel-name sequences (every device runs the same SPMD program)."""
+  per_device, rem = divmod(len(records), num_devices)
+  k, rem2 = divmod(per_device, iterations)
+  if rem or rem2 or k == 0:
+    return None
+  names = [name for name, _ in records[:k]]
+  chunks = [records[j * k:(j + 1) * k] for j in range(num_devices * iterations)]
+  if any([name for name, _ in chunk] != names for chunk in chunks):
+    return None
+  return [[r for d in range(num_devices) for r in chunks[d * iterations + i]]
+          for i in range(iterations)]
+
+
+def _as_iterations(timings, iterations: int) -> list[Kernels]:
+  if not timings:
+    raise RuntimeError("CUPTI recorded no kernel: nothing ran on the GPU?")
+  if isinstance(timings[0], tuple):  # a single iteration's flat list
+    timings = [timings]
+  if len(timings) != iterations:
+    raise RuntimeError(f"expected {iterations} iterations, got {len(timings)}")
+  return [[(str(name), float(ms)) for name, ms in it] for it in timings]
