@@ -383,3 +383,8 @@ def test_host_wall_clock_on_cpu():
 def test_time_function_validation(kwargs, match):
   with pytest.raises(ValueError, match=match):
     timing.time_function(jax.jit(lambda a: a), (jnp.ones(2),), **kwargs)
+
+
+def test_probe_layout_off_gpu_is_unknown():
+  # No Mosaic GPU CUPTI session on CPU: the probe says it cannot tell (the legacy rule runs).
+  assert cupti.probe_layout(jax.devices()[:2]) == cupti.UNKNOWN

@@ -106,12 +106,17 @@ def classify_layout(names: Sequence[str], rounds: int) -> str:
 
 @functools.cache
 def record_layout() -> str:
-  """How CUPTI orders one session's kernel records across this process's GPUs,
-  probed once: `sin` on device 0 and `cos` on the others, issued round-robin in
-  one session (the Mosaic GPU extension's own, as `profiler.measure` opens it)."""
+  """How CUPTI orders one session's kernel records across this process's GPUs (probed
+  once, `probe_layout`); UNKNOWN with fewer than two GPUs."""
   devices = [d for d in jax.local_devices() if d.platform == "gpu"]
-  if len(devices) < 2:
-    return UNKNOWN
+  return probe_layout(devices) if len(devices) >= 2 else UNKNOWN
+
+
+def probe_layout(devices: Sequence[Any]) -> str:
+  """`sin` on devices[0] and `cos` on the others, issued round-robin in one CUPTI session
+  (the Mosaic GPU extension's own, as `profiler.measure` opens it), classified by
+  `classify_layout`; UNKNOWN if the session cannot run. (One GPU listed twice runs both
+  markers on one stream: INTERLEAVED, a check of the probe itself.)"""
   try:
     from jax._src.lib import mosaic_gpu as mosaic_gpu_lib  # pylint: disable=g-import-not-at-top
     ext = mosaic_gpu_lib._mosaic_gpu_ext  # pylint: disable=protected-access
