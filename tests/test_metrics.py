@@ -241,6 +241,11 @@ def test_pair_devices_regroups_device_major_records():
   assert cupti.pair_devices(flat[:-1], num_devices=2, iterations=3) is None
   swapped = flat[:2] + [flat[3], flat[2]] + flat[4:]  # a run whose names differ
   assert cupti.pair_devices(swapped, num_devices=2, iterations=3) is None
+  # More records per device than one activity buffer surely holds: not paired.
+  assert cupti.pair_devices(_device_major([[10.0] * 5001, [20.0] * 5001]), num_devices=2,
+                            iterations=5001) is None
+  assert cupti.pair_devices(_device_major([[10.0] * 5000, [20.0] * 5000]), num_devices=2,
+                            iterations=5000) is not None
 
 
 class _DeviceMajorProfiler:

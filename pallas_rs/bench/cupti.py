@@ -135,15 +135,22 @@ def probe_layout(devices: Sequence[Any]) -> str:
   return classify_layout([str(name) for name, _ in records or []], _PROBE_ROUNDS)
 
 
+# Kernel records one 10 MiB activity buffer of the extension surely holds (a CUpti_ActivityKernel
+# record is a few hundred bytes): a session's run per device must fit one buffer to be whole.
+MAX_RECORDS_PER_BUFFER = 10_000
+
+
 def pair_devices(records: Kernels, num_devices: int, iterations: int
                  ) -> list[Kernels] | None:
   """One session's records, device by device (DEVICE_MAJOR), regrouped per
   iteration: iteration i = device 0's kernels of its iteration i, then device
   1's, ... None unless they split into `num_devices` equal runs of `iterations`
-  identical kernel-name sequences (every device runs the same SPMD program)."""
+  identical kernel-name sequences (every device runs the same SPMD program), or if
+  a device's records could have filled more than one activity buffer (then the
+  runs could interleave buffer by buffer)."""
   per_device, rem = divmod(len(records), num_devices)
   k, rem2 = divmod(per_device, iterations)
-  if rem or rem2 or k == 0:
+  if rem or rem2 or k == 0 or per_device > MAX_RECORDS_PER_BUFFER:
     return None
   names = [name for name, _ in records[:k]]
   chunks = [records[j * k:(j + 1) * k] for j in range(num_devices * iterations)]
