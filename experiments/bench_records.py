@@ -62,7 +62,8 @@ def validate_record(record: dict[str, Any]) -> None:
     timing: None unless ok; else timing.Timing.to_json(): times_us (raw, one
       per iteration), times_min_us, stats {count, median, min, max, mean, std,
       p90, p95}, rule, iterations, warmup, compile_s, host_batch_us, kernels,
-      notes.
+      notes, device_times_us and device_medians_us (records paired with devices,
+      pallas_rs.bench.cupti; else None).
     check: None (--nocheck, or not ok) or {max_rel_error, reference,
       unfused_max_rel_error, ratio_to_unfused, rule, rule_applied, passed}; a judged
       record whose rule could not be applied (no unfused error) has rule_applied false and
