@@ -235,7 +235,7 @@ def _guarded(run: _Run, settings: Settings, step: Callable[[], None]) -> None:
 def run_candidates(mode: str, shape: dict[str, Any], cands: Sequence[Candidate], *,
                    num_devices: int, settings: Settings) -> list[dict[str, Any]]:
   """Compiles every candidate, times them in `settings.rounds` rounds, each candidate in turn
-  within a round (so that a slow phase of the GPUs, which comes and goes over a second or so,
+  within a round (so that a slow phase of the GPUs, which comes and goes over 0.1-0.4 s,
   falls on all of them alike), checks each output for fresh inputs, then applies the error
   rule (`check_block`: ratio to the shape's unfused candidate's error)."""
   runs = [_Run(c, _new_record(mode, shape, c)) for c in cands]

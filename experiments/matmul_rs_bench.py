@@ -145,8 +145,8 @@ def select_cases(mode: str) -> list[Any]:
   return cases
 
 
-# Rounds of a GPU run: 200 iterations as 4 x 50 (a slow phase of the H200s lasts ~20-40
-# iterations of a 5 ms step: BUILD_NOTES, seventy-seventh session).
+# Rounds of a GPU run: 200 iterations as 4 x 50 (a slow phase of the H200s lasts 0.1-0.4 s,
+# 20-80 iterations of a 5 ms step: BUILD_NOTES, seventy-seventh session).
 DEFAULT_GPU_ROUNDS = 4
 
 
