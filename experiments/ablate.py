@@ -49,7 +49,7 @@ _ALONE = flags.DEFINE_bool("alone", False, "One GPU: rank --rank of a --num_devi
                            "alone on the GPU (fused.rank_alone) instead of the loopback.")
 _RANK = flags.DEFINE_integer("rank", 0, "--alone: which rank's program.")
 _ITERS = flags.DEFINE_integer("iterations", 100, "Timed iterations per variant.")
-_ROUNDS = flags.DEFINE_integer("rounds", 4, "Timing rounds: --iterations split over them, the "
+_ROUNDS = flags.DEFINE_integer("rounds", 10, "Timing rounds: --iterations split over them, the "
                                "variants of a shape timed in turn within each.")
 _OUT = flags.DEFINE_string("out", "", "JSON output path; default experiments/out/"
                            "ablate_<mode>.json (git-ignored).")

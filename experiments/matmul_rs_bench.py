@@ -99,7 +99,7 @@ flags.DEFINE_integer("iterations", 200, "Timed iterations per function.")
 flags.DEFINE_integer("warmup", 2, "Untimed calls after compilation.")
 flags.DEFINE_integer("rounds", None, "Timing rounds per shape: --iterations split over "
                      "them, the shape's functions timed in turn within each (so that a slow "
-                     "phase of the GPUs falls on all alike); default 4 on GPU, 1 otherwise.")
+                     "phase of the GPUs falls on all alike); default 10 on GPU, 1 otherwise.")
 flags.DEFINE_enum("timer", "auto", TIMERS, "auto: cupti on GPU, host wall "
                   "clock on CPU.")
 flags.DEFINE_string("out", "", "JSON output path; default "
@@ -145,9 +145,10 @@ def select_cases(mode: str) -> list[Any]:
   return cases
 
 
-# Rounds of a GPU run: 200 iterations as 4 x 50 (a slow phase of the H200s lasts 0.1-0.4 s,
-# 20-80 iterations of a 5 ms step: BUILD_NOTES, seventy-seventh session).
-DEFAULT_GPU_ROUNDS = 4
+# Rounds of a GPU run: 200 iterations as 10 x 20 (a slow phase of the H200s lasts 0.1-0.4 s,
+# 20-80 iterations of a 5 ms step; two copies of one GEMM timed 1, 4 and 10 rounds: BUILD_NOTES,
+# seventy-seventh session).
+DEFAULT_GPU_ROUNDS = 10
 
 
 def settings_from_flags(timer: str):
