@@ -79,8 +79,7 @@ def check_flags() -> None:
   flag_checks.shape_names("names", _NAMES.value)
   flag_checks.variant_names("configs", _CONFIGS.value)
   flag_checks.subset("ablations", _ABLATIONS.value, VARIANTS)
-  if _ROUNDS.value < 1:
-    raise app.UsageError(f"--rounds={_ROUNDS.value} must be >= 1")
+  flag_checks.positive_ints("rounds", [_ROUNDS.value])
 
 
 def main(argv):
@@ -169,17 +168,13 @@ def main(argv):
         fns[key], cfgs[key] = build(VARIANTS[label], cfg), cfg
     # Every variant compiled first, then timed in rounds, in turn within each (a slow phase of
     # the GPUs falls on all alike: BUILD_NOTES, seventy-seventh session).
-    compiled = {label: timing.compile_function(fn, args)[0] for label, fn in fns.items()}
-    rounds = {label: [] for label in fns}
-    for i, iterations in enumerate(timing.round_iterations(
-        _ITERS.value, min(_ROUNDS.value, _ITERS.value))):
-      for label, fn in compiled.items():
-        rounds[label].append(timing.time_function(
-            fn, args, iterations=iterations, warmup=2 if i == 0 else 0,
-            num_devices=d if nvlink else 1))
-    for label, parts in rounds.items():
-      row["times_us"][label] = timing.merge_rounds(parts).times_us
-      row.setdefault("timer", parts[0].timer)
+    timings = timing.time_alternating(
+        {label: (timing.compile_function(fn, args)[0], args) for label, fn in fns.items()},
+        iterations=_ITERS.value, rounds=min(_ROUNDS.value, _ITERS.value),
+        num_devices=d if nvlink else 1)
+    for label, t in timings.items():
+      row["times_us"][label] = t.times_us
+      row.setdefault("timer", t.timer)
     unfused_errors = {}  # by the order of the unfused path's sum
     unfused_fn = lambda order: fns["xla_seq"] if order == "nccl" else testing.loopback_unfused(
         order)

@@ -210,26 +210,31 @@ class _Run:
   args: tuple = ()
   check_args: tuple = ()
   compile_s: float | None = None
-  rounds: list[timing.Timing] = dataclasses.field(default_factory=list)
 
   @property
   def ok(self) -> bool:
     return self.record["status"] == "ok"
 
 
-def _guarded(run: _Run, settings: Settings, step: Callable[[], None]) -> None:
-  """Runs one step of `run`; a NotImplementedError marks it unavailable, any other exception
-  failed (with `settings.keep_going`; else it propagates)."""
-  try:
-    step()
-  except NotImplementedError as e:
+def _fail(run: _Run, settings: Settings, e: Exception) -> None:
+  """A NotImplementedError marks `run` unavailable, any other exception failed (with
+  `settings.keep_going`; else it propagates)."""
+  if isinstance(e, NotImplementedError):
     run.record["status"] = f"unavailable: {_status_of(e)}"
     logging.info("  %s unavailable: %s", run.cand.implementation, _status_of(e))
+    return
+  if not settings.keep_going:
+    raise e
+  run.record["status"] = f"failed: {_status_of(e)}"
+  logging.exception("  %s failed (keep_going)", run.cand.implementation)  # (in an except)
+
+
+def _guarded(run: _Run, settings: Settings, step: Callable[[], None]) -> None:
+  """Runs one step of `run`; an exception goes to `_fail`."""
+  try:
+    step()
   except Exception as e:  # pylint: disable=broad-except
-    if not settings.keep_going:
-      raise
-    run.record["status"] = f"failed: {_status_of(e)}"
-    logging.exception("  %s failed (keep_going)", run.cand.implementation)
+    _fail(run, settings, e)
 
 
 def run_candidates(mode: str, shape: dict[str, Any], cands: Sequence[Candidate], *,
@@ -251,19 +256,14 @@ def run_candidates(mode: str, shape: dict[str, Any], cands: Sequence[Candidate],
         run.record["notes"].extend(probe.get("notes", []))
 
     _guarded(run, settings, compile_one)
-  for i, iterations in enumerate(timing.round_iterations(settings.iterations, settings.rounds)):
-    for run in (r for r in runs if r.ok):
-
-      def time_one(run=run, iterations=iterations, first=i == 0):
-        run.rounds.append(timing.time_function(
-            run.compiled, run.args, iterations=iterations,
-            warmup=settings.warmup if first else 0, timer=settings.timer,
-            num_devices=num_devices))
-
-      _guarded(run, settings, time_one)
-  for run in runs:
+  timings = timing.time_alternating(
+      {i: (run.compiled, run.args) for i, run in enumerate(runs) if run.ok},
+      iterations=settings.iterations, rounds=settings.rounds, warmup=settings.warmup,
+      timer=settings.timer, num_devices=num_devices,
+      on_error=lambda i, e: _fail(runs[i], settings, e))
+  for i, run in enumerate(runs):
     if run.ok:
-      _guarded(run, settings, functools.partial(_finish, run, settings))
+      _guarded(run, settings, functools.partial(_finish, run, timings[i], settings))
   unfused = [r.record["check"] for r in runs if r.cand.role == "unfused"]
   unfused_err = unfused[0]["max_rel_error"] if unfused and unfused[0] else None
   for run in runs:
@@ -275,11 +275,10 @@ def run_candidates(mode: str, shape: dict[str, Any], cands: Sequence[Candidate],
   return [run.record for run in runs]
 
 
-def _finish(run: _Run, settings: Settings) -> None:
-  """The record of a timed candidate: its merged timing, throughput and (with
+def _finish(run: _Run, t: timing.Timing, settings: Settings) -> None:
+  """The record of a timed candidate: its timing `t`, throughput and (with
   `settings.check`) the output's error for the check inputs ("check" holds only
   max_rel_error and reference until `run_candidates` applies the rule)."""
-  t = timing.merge_rounds(run.rounds)
   t.compile_s = run.compile_s
   record, cand = run.record, run.cand
   if settings.check and cand.check is not None:

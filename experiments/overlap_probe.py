@@ -40,6 +40,8 @@ _VARIANTS = flags.DEFINE_list(
     "Config variants (config_variants.variant_config): v1, cN, pN, oN, tMxN, sK, f32/bf16, "
     "ring tokens, e.g. c4_bf16.")
 _ITERS = flags.DEFINE_integer("iterations", 40, "Timed iterations per variant.")
+_ROUNDS = flags.DEFINE_integer("rounds", 10, "Timing rounds: --iterations split over them, "
+                               "a shape's functions timed in turn within each.")
 _COMM_ABLATIONS = flags.DEFINE_list(
     "comm_ablations", ["gemm", "gemm+stage_wait"],
     "Ablation sets (kernel.ABLATIONS joined by '+') also timed for comm-CTA variants; each "
@@ -62,6 +64,7 @@ def check_flags() -> None:
   flag_checks.shape_names("names", _NAMES.value)
   flag_checks.shape_names("proxy", [name + "_proxy8" for name in _PROXY.value])
   flag_checks.variant_names("variants", _VARIANTS.value)
+  flag_checks.positive_ints("rounds", [_ROUNDS.value])
   flag_checks.subset("comm_ablations", [part for a in _COMM_ABLATIONS.value
                                         for part in a.split("+")], rank.ABLATIONS)
 
@@ -191,9 +194,8 @@ def main(argv):
               mesh=mesh, in_specs=P("tp", None), out_specs=P("tp", None), check_vma=False)), (y,)),
           "xla_seq": (unfused, args),
       }
-      for key, (fn, a) in base_fns.items():
-        row["times_us"][key] = timing.time_function(fn, a, iterations=_ITERS.value,
-                                                    num_devices=d).times_us
+      errors = lambda key, e: row.setdefault("errors", {}).__setitem__(key, repr(e)[:500])
+      items = {key: (timing.compile_function(fn, a)[0], a) for key, (fn, a) in base_fns.items()}
       for vname in _VARIANTS.value:
         cfg = variant_config(base, vname)
         row["configs"][vname] = tuning.config_to_json(cfg)
@@ -204,14 +206,18 @@ def main(argv):
             [tuple(a.split("+")) for a in _COMM_ABLATIONS.value] if cfg.comm_ctas else [])
         for ablate in ablations:
           key = vname + ("_no" + "_".join(ablate) if ablate else "")
-          t0 = time.time()
           try:
-            fn = fused_fn(cfg, ablate)
-            row["times_us"][key] = timing.time_function(
-                fn, args, iterations=_ITERS.value, num_devices=d).times_us
+            items[key] = (timing.compile_function(fused_fn(cfg, ablate), args)[0], args)
           except Exception as e:  # pylint: disable=broad-except
-            row.setdefault("errors", {})[key] = repr(e)[:500]
-          print(label, key, f"{time.time() - t0:.1f}s", flush=True)
+            errors(key, e)
+      # Timed in rounds, each function in turn within a round (a slow phase of the GPUs falls
+      # on all alike: BUILD_NOTES, seventy-seventh session).
+      t0 = time.time()
+      timings = timing.time_alternating(items, iterations=_ITERS.value,
+                                        rounds=min(_ROUNDS.value, _ITERS.value), num_devices=d,
+                                        on_error=errors)
+      row["times_us"].update({key: t.times_us for key, t in timings.items()})
+      print(label, f"{len(timings)} functions timed in {time.time() - t0:.1f}s", flush=True)
       # Bytes each GPU sends: its D - 1 peer chunks of partials.
       for vname, cfg_json in row["configs"].items():
         for key, times in row["times_us"].items():

@@ -393,3 +393,26 @@ def test_time_function_validation(kwargs, match):
 def test_probe_layout_off_gpu_is_unknown():
   # No Mosaic GPU CUPTI session on CPU: the probe says it cannot tell (the legacy rule runs).
   assert cupti.probe_layout(jax.devices()[:2]) == cupti.UNKNOWN
+
+
+def test_time_alternating_order_and_errors(monkeypatch):
+  # The functions take turns within each round; one that fails is reported once and dropped.
+  calls = []
+
+  def time_function(fn, args, *, iterations, warmup, timer, num_devices):
+    calls.append((fn, iterations, warmup))
+    if fn == "bad" and len(calls) > 2:
+      raise RuntimeError("lost the GPU")
+    return timing.Timing(timer="host_wall_clock", times_us=[float(len(calls))] * iterations,
+                         times_min_us=None, rule="fake", iterations=iterations, warmup=warmup)
+
+  monkeypatch.setattr(timing, "time_function", time_function)
+  errors = []
+  got = timing.time_alternating({"a": ("good", ()), "b": ("bad", ())}, iterations=5, rounds=3,
+                                warmup=2, on_error=lambda key, e: errors.append((key, str(e))))
+  assert calls == [("good", 2, 2), ("bad", 2, 2), ("good", 2, 0), ("bad", 2, 0), ("good", 1, 0)]
+  assert errors == [("b", "lost the GPU")] and set(got) == {"a"}
+  assert got["a"].times_us == [1.0, 1.0, 3.0, 3.0, 5.0]
+  calls.clear()
+  with pytest.raises(RuntimeError, match="lost the GPU"):
+    timing.time_alternating({"b": ("bad", ())}, iterations=6, rounds=3)

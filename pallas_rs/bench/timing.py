@@ -39,7 +39,7 @@ a host sync between iterations; `Timing.notes` says so.
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 import dataclasses
 import time
 from typing import Any
@@ -211,6 +211,33 @@ def round_iterations(iterations: int, rounds: int) -> list[int]:
     raise ValueError(f"rounds={rounds} must be in [1, iterations={iterations}]")
   q, r = divmod(iterations, rounds)
   return [q + (i < r) for i in range(rounds)]
+
+
+def time_alternating(items: Mapping[Any, tuple[Any, Sequence[Any]]], *, iterations: int,
+                     rounds: int, warmup: int = DEFAULT_WARMUP, timer: str = "auto",
+                     num_devices: int = 1,
+                     on_error: Callable[[Any, Exception], None] | None = None
+                     ) -> dict[Any, Timing]:
+  """Times every function of `items` (key -> (compiled function, args)) for `iterations`
+  calls, in `rounds` rounds with the functions in turn within each, so that a slow phase of
+  the GPUs falls on all of them alike; key -> the merged `Timing` (`merge_rounds`). A
+  function whose timing raises is dropped after `on_error(key, exception)`; without
+  `on_error` the exception propagates."""
+  parts: dict[Any, list[Timing]] = {key: [] for key in items}
+  for i, calls in enumerate(round_iterations(iterations, rounds)):
+    for key, (fn, args) in items.items():
+      if key not in parts:
+        continue
+      try:
+        parts[key].append(time_function(fn, args, iterations=calls,
+                                        warmup=warmup if i == 0 else 0, timer=timer,
+                                        num_devices=num_devices))
+      except Exception as e:  # pylint: disable=broad-except
+        if on_error is None:
+          raise
+        on_error(key, e)
+        del parts[key]
+  return {key: merge_rounds(timings) for key, timings in parts.items()}
 
 
 def merge_rounds(rounds: Sequence[Timing]) -> Timing:
