@@ -43,6 +43,8 @@ _JAX = flags.DEFINE_list("jax", ["128x128_N_-", "128x128_N_M", "64x192_M_-", "64
                          "jax hopper_matmul_mgpu TuningConfigs tMxtN_wgdim_clusterdim.")
 _STEPS = flags.DEFINE_integer("steps", 4, "jax configs: pipeline steps (fit to SMEM down).")
 _ITERS = flags.DEFINE_integer("iterations", 50, "Timed iterations per variant.")
+_ROUNDS = flags.DEFINE_integer("rounds", 10, "Timing rounds: --iterations split over them, "
+                               "a shape's variants timed in turn within each.")
 _OUT = flags.DEFINE_string("out", "", "JSON output path; default experiments/out/gemm_core.json.")
 
 
@@ -73,6 +75,7 @@ def check_flags() -> None:
   flag_checks.subset("projections", _PROJ.value, _PROJECTIONS)
   flag_checks.positive_ints("ms", _MS.value)
   flag_checks.positive_ints("ds", _DS.value)
+  flag_checks.positive_ints("rounds", [_ROUNDS.value])
   flag_checks.variant_names("ours", _OURS.value)
 
 
@@ -136,14 +139,25 @@ def main(argv):
             row["configs"][f"jax:{token}"] = repr(jax_config(hm, token, steps))
             fns[f"jax:{token}"] = fn
             break
+        # A config the kernel rejects or that does not fit SMEM: recorded, not fatal.
+        fail = lambda label, e: row["configs"].__setitem__(
+            label, f"failed: {type(e).__name__}: {str(e)[:300]}")
+        compiled = {}
         for label, fn in fns.items():
           try:
-            t = timing.time_function(fn, (x, w), iterations=_ITERS.value, num_devices=1)
-            row["max_rel_error"][label] = reference.max_rel_error(jax.device_get(fn(x, w)),
-                                                                  jax.device_get(ref))
+            compiled[label] = (timing.compile_function(fn, (x, w))[0], (x, w))
           except Exception as e:  # pylint: disable=broad-except
-            # A config the kernel rejects or that does not fit SMEM: recorded, not fatal.
-            row["configs"][label] = f"failed: {type(e).__name__}: {str(e)[:300]}"
+            fail(label, e)
+        # Timed in rounds, in turn within each (BUILD_NOTES, seventy-seventh session).
+        timings = timing.time_alternating(compiled, iterations=_ITERS.value,
+                                          rounds=min(_ROUNDS.value, _ITERS.value),
+                                          num_devices=1, on_error=fail)
+        for label, t in timings.items():
+          try:
+            row["max_rel_error"][label] = reference.max_rel_error(
+                jax.device_get(compiled[label][0](x, w)), jax.device_get(ref))
+          except Exception as e:  # pylint: disable=broad-except
+            fail(label, e)
             continue
           row["times_us"][label] = t.times_us
           row.setdefault("timer", t.timer)
