@@ -65,6 +65,8 @@ from pallas_rs import tuning
 _OUT = flags.DEFINE_string("out", None, "JSON output path.")
 _NAMES = flags.DEFINE_list("names", [], "Seed shape names (default: all 16).")
 _ITERS = flags.DEFINE_integer("iterations", 30, "Timed iterations per program.")
+_ROUNDS = flags.DEFINE_integer("rounds", 10, "Timing rounds: --iterations split over them, "
+                               "the three programs timed in turn within each.")
 _SCALE = flags.DEFINE_integer("scale", 1, "Divide the seed m, n and k by this (CPU tests of the "
                               "script itself).")
 _BUDGET = flags.DEFINE_float("time_budget_s", 420.0, "Shapes not started by then are skipped "
@@ -177,10 +179,15 @@ def check_shape(name, m, n, k, seed, mesh2, mesh1) -> dict:
   row["ok_auto"] = row["auto_bits_differing"] == 0
   row["ok"] = row["ok_error"] and row["bit_identical_1d"] and row["ok_auto"]
   # Timing (CUPTI on GPU; host wall clock elsewhere: plumbing only).
-  for key, fn, args, ndev in (("fused_2d", fns["fused_2d"], (x, w), G * D),
-                              ("fused_1d", fns["fused_1d"], (x1[0], w1), D),
-                              ("unfused_2d", fns["unfused_2d"], (x, w), G * D)):
-    t = timing.time_function(fn, args, iterations=_ITERS.value, warmup=2, num_devices=ndev)
+  # In alternating rounds (a slow phase of the GPUs falls on all alike: BUILD_NOTES,
+  # seventy-seventh session).
+  programs_timed = {"fused_2d": ((x, w), G * D), "fused_1d": ((x1[0], w1), D),
+                    "unfused_2d": ((x, w), G * D)}
+  timings = timing.time_alternating(
+      {key: (timing.compile_function(fns[key], args)[0], args, ndev)
+       for key, (args, ndev) in programs_timed.items()},
+      iterations=_ITERS.value, rounds=min(_ROUNDS.value, _ITERS.value), warmup=2)
+  for key, t in timings.items():
     row[f"t_{key}_us"] = statistics.median(t.times_us)
     row.setdefault("timings", {})[key] = dataclasses.asdict(t)
   row["timer"] = row["timings"]["fused_2d"]["timer"]
@@ -226,6 +233,7 @@ def table(rows) -> str:
 def check_flags() -> None:
   """UsageError for a flag value that would fail later in the run (flag_checks)."""
   flag_checks.shape_names("names", _NAMES.value)
+  flag_checks.positive_ints("rounds", [_ROUNDS.value])
 
 
 def main(argv):

@@ -401,6 +401,7 @@ def test_time_alternating_order_and_errors(monkeypatch):
 
   def time_function(fn, args, *, iterations, warmup, timer, num_devices):
     calls.append((fn, iterations, warmup))
+    assert num_devices == (4 if fn == "good" else 1)  # the item's own, else the default
     if fn == "bad" and len(calls) > 2:
       raise RuntimeError("lost the GPU")
     return timing.Timing(timer="host_wall_clock", times_us=[float(len(calls))] * iterations,
@@ -408,7 +409,7 @@ def test_time_alternating_order_and_errors(monkeypatch):
 
   monkeypatch.setattr(timing, "time_function", time_function)
   errors = []
-  got = timing.time_alternating({"a": ("good", ()), "b": ("bad", ())}, iterations=5, rounds=3,
+  got = timing.time_alternating({"a": ("good", (), 4), "b": ("bad", ())}, iterations=5, rounds=3,
                                 warmup=2, on_error=lambda key, e: errors.append((key, str(e))))
   assert calls == [("good", 2, 2), ("bad", 2, 2), ("good", 2, 0), ("bad", 2, 0), ("good", 1, 0)]
   assert errors == [("b", "lost the GPU")] and set(got) == {"a"}

@@ -218,20 +218,20 @@ def time_alternating(items: Mapping[Any, tuple[Any, Sequence[Any]]], *, iteratio
                      num_devices: int = 1,
                      on_error: Callable[[Any, Exception], None] | None = None
                      ) -> dict[Any, Timing]:
-  """Times every function of `items` (key -> (compiled function, args)) for `iterations`
-  calls, in `rounds` rounds with the functions in turn within each, so that a slow phase of
-  the GPUs falls on all of them alike; key -> the merged `Timing` (`merge_rounds`). A
-  function whose timing raises is dropped after `on_error(key, exception)`; without
-  `on_error` the exception propagates."""
+  """Times every function of `items` (key -> (compiled function, args), or (function, args,
+  its num_devices)) for `iterations` calls, in `rounds` rounds with the functions in turn
+  within each, so that a slow phase of the GPUs falls on all of them alike; key -> the
+  merged `Timing` (`merge_rounds`). A function whose timing raises is dropped after
+  `on_error(key, exception)`; without `on_error` the exception propagates."""
   parts: dict[Any, list[Timing]] = {key: [] for key in items}
   for i, calls in enumerate(round_iterations(iterations, rounds)):
-    for key, (fn, args) in items.items():
+    for key, (fn, args, *devices) in items.items():
       if key not in parts:
         continue
       try:
         parts[key].append(time_function(fn, args, iterations=calls,
                                         warmup=warmup if i == 0 else 0, timer=timer,
-                                        num_devices=num_devices))
+                                        num_devices=devices[0] if devices else num_devices))
       except Exception as e:  # pylint: disable=broad-except
         if on_error is None:
           raise
