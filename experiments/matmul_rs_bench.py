@@ -257,6 +257,9 @@ def main(argv: Sequence[str]) -> int:
   bench_env.write_json(out, doc, allow_nan=False)
   print(format_table(records))
   print(LEGEND)
+  if doc["environment"].get("cupti_record_layout"):
+    # "device_major": the timer paired each CUPTI record with its device (pallas_rs/bench/cupti.py).
+    print(f"CUPTI record order across devices: {doc['environment']['cupti_record_layout']}")
   if timer == "host_wall_clock":
     print(f"timer=host_wall_clock: {NO_CLAIMS}; E and speedup are not shown (noise on a "
           "CPU): this run checks that every path runs and is correct, not how fast it is")

@@ -39,11 +39,7 @@ case "${1:-check}" in
     timeout 520 python3 experiments/multi_gpu_check.py --out="$out/multi_gpu_check.json" 2>&1 \
       | quiet | tail -8 ;;
   sweep)
-    # How CUPTI orders the GPUs' kernel records (pallas_rs/bench/cupti.py): "device_major"
-    # means the timer pairs each record with its device.
-    python3 -c "from pallas_rs.bench import cupti; print('cupti_record_layout', \
-      cupti.record_layout())" 2>&1 | quiet | tail -1
-    timeout 550 python3 experiments/matmul_rs_bench.py --mode=multi_gpu --tags=seed \
+    timeout 560 python3 experiments/matmul_rs_bench.py --mode=multi_gpu --tags=seed \
       --iterations=200 --implementations=xla,fused,auto --xla_peer --keep_going \
       --out="$out/multi_gpu_seed.json" 2>&1 | quiet | tail -40 ;;
   proxy8)
