@@ -51,6 +51,10 @@ _RANK = flags.DEFINE_integer("rank", 0, "--alone: which rank's program.")
 _ITERS = flags.DEFINE_integer("iterations", 100, "Timed iterations per variant.")
 _ROUNDS = flags.DEFINE_integer("rounds", 10, "Timing rounds: --iterations split over them, the "
                                "variants of a shape timed in turn within each.")
+_INTERLEAVE = flags.DEFINE_bool("interleave", True, "With CUPTI: within a round, the "
+                                "functions run call by call in turn in one CUPTI session "
+                                "(pallas_rs.bench.alternating); --nointerleave: each "
+                                "function's calls back to back.")
 _OUT = flags.DEFINE_string("out", "", "JSON output path; default experiments/out/"
                            "ablate_<mode>.json (git-ignored).")
 _CONFIGS = flags.DEFINE_list("configs", ["table"], "Config variants per shape "
@@ -93,6 +97,7 @@ def main(argv):
   from pallas_rs import reference  # pylint: disable=g-import-not-at-top
   from pallas_rs.bench import shapes  # pylint: disable=g-import-not-at-top
   from pallas_rs.bench import testing  # pylint: disable=g-import-not-at-top
+  from pallas_rs.bench import alternating  # pylint: disable=g-import-not-at-top
   from pallas_rs.bench import timing  # pylint: disable=g-import-not-at-top
 
   require_gpu(jax)
@@ -168,10 +173,10 @@ def main(argv):
         fns[key], cfgs[key] = build(VARIANTS[label], cfg), cfg
     # Every variant compiled first, then timed in rounds, in turn within each (a slow phase of
     # the GPUs falls on all alike: BUILD_NOTES, seventy-seventh session).
-    timings = timing.time_alternating(
+    timings = alternating.time_alternating(
         {label: (timing.compile_function(fn, args)[0], args) for label, fn in fns.items()},
         iterations=_ITERS.value, rounds=min(_ROUNDS.value, _ITERS.value),
-        num_devices=d if nvlink else 1)
+        num_devices=d if nvlink else 1, interleave=_INTERLEAVE.value)
     for label, t in timings.items():
       row["times_us"][label] = t.times_us
       row.setdefault("timer", t.timer)

@@ -45,6 +45,10 @@ _STEPS = flags.DEFINE_integer("steps", 4, "jax configs: pipeline steps (fit to S
 _ITERS = flags.DEFINE_integer("iterations", 50, "Timed iterations per variant.")
 _ROUNDS = flags.DEFINE_integer("rounds", 10, "Timing rounds: --iterations split over them, "
                                "a shape's variants timed in turn within each.")
+_INTERLEAVE = flags.DEFINE_bool("interleave", True, "With CUPTI: within a round, the "
+                                "functions run call by call in turn in one CUPTI session "
+                                "(pallas_rs.bench.alternating); --nointerleave: each "
+                                "function's calls back to back.")
 _OUT = flags.DEFINE_string("out", "", "JSON output path; default experiments/out/gemm_core.json.")
 
 
@@ -89,6 +93,7 @@ def main(argv):
   from pallas_rs import reference  # pylint: disable=g-import-not-at-top
   from pallas_rs.bench import shapes  # pylint: disable=g-import-not-at-top
   from pallas_rs.bench import testing  # pylint: disable=g-import-not-at-top
+  from pallas_rs.bench import alternating  # pylint: disable=g-import-not-at-top
   from pallas_rs.bench import timing  # pylint: disable=g-import-not-at-top
   from pallas_rs.kernel import config as config_lib  # pylint: disable=g-import-not-at-top
   from pallas_rs.kernel import fused  # pylint: disable=g-import-not-at-top
@@ -149,9 +154,10 @@ def main(argv):
           except Exception as e:  # pylint: disable=broad-except
             fail(label, e)
         # Timed in rounds, in turn within each (BUILD_NOTES, seventy-seventh session).
-        timings = timing.time_alternating(compiled, iterations=_ITERS.value,
+        timings = alternating.time_alternating(compiled, iterations=_ITERS.value,
                                           rounds=min(_ROUNDS.value, _ITERS.value),
-                                          num_devices=1, on_error=fail)
+                                          num_devices=1, on_error=fail,
+                                          interleave=_INTERLEAVE.value)
         for label, t in timings.items():
           try:
             row["max_rel_error"][label] = reference.max_rel_error(

@@ -37,6 +37,7 @@ import pallas_rs
 from pallas_rs.kernel import fused
 from pallas_rs.tuning import metrics
 from pallas_rs import reference
+from pallas_rs.bench import alternating
 from pallas_rs.bench import testing
 from pallas_rs.bench import timing
 
@@ -68,6 +69,9 @@ class Settings:
     seed: PRNG seed of the timing inputs.
     rounds: timing rounds per shape: each candidate's `iterations` split over them, the
       shape's candidates timed in turn within each round.
+    interleave: with CUPTI, call by call in turn within a round (one CUPTI session per
+      round); else each candidate's calls of a round back to back
+      (`pallas_rs.bench.alternating`).
     peak_flops: FLOP/s of the roofline estimates.
     bus_bandwidth: reduce-scatter bus bandwidth (B/s) of the estimates.
   """
@@ -79,6 +83,7 @@ class Settings:
   keep_going: bool = False
   seed: int = 0
   rounds: int = 1
+  interleave: bool = True
   peak_flops: float = metrics.MEASURED_PEAK_FLOPS_BF16
   bus_bandwidth: float = metrics.MEASURED_RS_BUS_BANDWIDTH
 
@@ -239,10 +244,11 @@ def _guarded(run: _Run, settings: Settings, step: Callable[[], None]) -> None:
 
 def run_candidates(mode: str, shape: dict[str, Any], cands: Sequence[Candidate], *,
                    num_devices: int, settings: Settings) -> list[dict[str, Any]]:
-  """Compiles every candidate, times them in `settings.rounds` rounds, each candidate in turn
-  within a round (so that a slow phase of the GPUs, which comes and goes over 0.1-0.4 s,
-  falls on all of them alike), checks each output for fresh inputs, then applies the error
-  rule (`check_block`: ratio to the shape's unfused candidate's error)."""
+  """Compiles every candidate, times them in `settings.rounds` rounds, in turn within a round
+  (call by call with `settings.interleave`, so that a slow phase of the GPUs, which comes
+  and goes over 0.1-0.4 s, falls on all of them alike), checks each output for fresh
+  inputs, then applies the error rule (`check_block`: ratio to the shape's unfused
+  candidate's error)."""
   runs = [_Run(c, _new_record(mode, shape, c)) for c in cands]
   for run in runs:
     logging.info("[%s] %s: %s", mode, shape["name"], run.cand.implementation)
@@ -256,10 +262,10 @@ def run_candidates(mode: str, shape: dict[str, Any], cands: Sequence[Candidate],
         run.record["notes"].extend(probe.get("notes", []))
 
     _guarded(run, settings, compile_one)
-  timings = timing.time_alternating(
+  timings = alternating.time_alternating(
       {i: (run.compiled, run.args) for i, run in enumerate(runs) if run.ok},
       iterations=settings.iterations, rounds=settings.rounds, warmup=settings.warmup,
-      timer=settings.timer, num_devices=num_devices,
+      timer=settings.timer, num_devices=num_devices, interleave=settings.interleave,
       on_error=lambda i, e: _fail(runs[i], settings, e))
   for i, run in enumerate(runs):
     if run.ok:

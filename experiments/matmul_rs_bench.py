@@ -100,6 +100,9 @@ flags.DEFINE_integer("warmup", 2, "Untimed calls after compilation.")
 flags.DEFINE_integer("rounds", None, "Timing rounds per shape: --iterations split over "
                      "them, the shape's functions timed in turn within each (so that a slow "
                      "phase of the GPUs falls on all alike); default 10 on GPU, 1 otherwise.")
+flags.DEFINE_bool("interleave", True, "With CUPTI: within a round, the functions run call by "
+                  "call in turn in one CUPTI session (pallas_rs.bench.alternating); "
+                  "--nointerleave: each function's calls back to back.")
 flags.DEFINE_enum("timer", "auto", TIMERS, "auto: cupti on GPU, host wall "
                   "clock on CPU.")
 flags.DEFINE_string("out", "", "JSON output path; default "
@@ -160,6 +163,7 @@ def settings_from_flags(timer: str):
       max_error_ratio=FLAGS.max_error_ratio, keep_going=FLAGS.keep_going, seed=FLAGS.seed,
       rounds=FLAGS.rounds or (min(DEFAULT_GPU_ROUNDS, FLAGS.iterations)
                               if timer == "cupti" else 1),
+      interleave=FLAGS.interleave,
       peak_flops=FLAGS.peak_flops or metrics.MEASURED_PEAK_FLOPS_BF16,
       bus_bandwidth=FLAGS.bus_bandwidth or metrics.MEASURED_RS_BUS_BANDWIDTH)
 

@@ -57,6 +57,7 @@ from pallas_rs.kernel import fused
 from pallas_rs.tuning import gate
 from pallas_rs import platform
 from pallas_rs import reference
+from pallas_rs.bench import alternating
 from pallas_rs.bench import shapes
 from pallas_rs.bench import testing
 from pallas_rs.bench import timing
@@ -67,6 +68,10 @@ _NAMES = flags.DEFINE_list("names", [], "Seed shape names (default: all 16).")
 _ITERS = flags.DEFINE_integer("iterations", 30, "Timed iterations per program.")
 _ROUNDS = flags.DEFINE_integer("rounds", 10, "Timing rounds: --iterations split over them, "
                                "the three programs timed in turn within each.")
+_INTERLEAVE = flags.DEFINE_bool("interleave", True, "With CUPTI: within a round, the "
+                                "functions run call by call in turn in one CUPTI session "
+                                "(pallas_rs.bench.alternating); --nointerleave: each "
+                                "function's calls back to back.")
 _SCALE = flags.DEFINE_integer("scale", 1, "Divide the seed m, n and k by this (CPU tests of the "
                               "script itself).")
 _BUDGET = flags.DEFINE_float("time_budget_s", 420.0, "Shapes not started by then are skipped "
@@ -183,10 +188,11 @@ def check_shape(name, m, n, k, seed, mesh2, mesh1) -> dict:
   # seventy-seventh session).
   programs_timed = {"fused_2d": ((x, w), G * D), "fused_1d": ((x1[0], w1), D),
                     "unfused_2d": ((x, w), G * D)}
-  timings = timing.time_alternating(
+  timings = alternating.time_alternating(
       {key: (timing.compile_function(fns[key], args)[0], args, ndev)
        for key, (args, ndev) in programs_timed.items()},
-      iterations=_ITERS.value, rounds=min(_ROUNDS.value, _ITERS.value), warmup=2)
+      iterations=_ITERS.value, rounds=min(_ROUNDS.value, _ITERS.value), warmup=2,
+      interleave=_INTERLEAVE.value)
   for key, t in timings.items():
     row[f"t_{key}_us"] = statistics.median(t.times_us)
     row.setdefault("timings", {})[key] = dataclasses.asdict(t)

@@ -42,6 +42,10 @@ _VARIANTS = flags.DEFINE_list(
 _ITERS = flags.DEFINE_integer("iterations", 40, "Timed iterations per variant.")
 _ROUNDS = flags.DEFINE_integer("rounds", 10, "Timing rounds: --iterations split over them, "
                                "a shape's functions timed in turn within each.")
+_INTERLEAVE = flags.DEFINE_bool("interleave", True, "With CUPTI: within a round, the "
+                                "functions run call by call in turn in one CUPTI session "
+                                "(pallas_rs.bench.alternating); --nointerleave: each "
+                                "function's calls back to back.")
 _COMM_ABLATIONS = flags.DEFINE_list(
     "comm_ablations", ["gemm", "gemm+stage_wait"],
     "Ablation sets (kernel.ABLATIONS joined by '+') also timed for comm-CTA variants; each "
@@ -83,6 +87,7 @@ def main(argv):
   from pallas_rs import reference  # pylint: disable=g-import-not-at-top
   from pallas_rs.bench import shapes  # pylint: disable=g-import-not-at-top
   from pallas_rs.bench import testing  # pylint: disable=g-import-not-at-top
+  from pallas_rs.bench import alternating  # pylint: disable=g-import-not-at-top
   from pallas_rs.bench import timing  # pylint: disable=g-import-not-at-top
   from pallas_rs import tuning  # pylint: disable=g-import-not-at-top
 
@@ -213,9 +218,9 @@ def main(argv):
       # Timed in rounds, each function in turn within a round (a slow phase of the GPUs falls
       # on all alike: BUILD_NOTES, seventy-seventh session).
       t0 = time.time()
-      timings = timing.time_alternating(items, iterations=_ITERS.value,
+      timings = alternating.time_alternating(items, iterations=_ITERS.value,
                                         rounds=min(_ROUNDS.value, _ITERS.value), num_devices=d,
-                                        on_error=errors)
+                                        on_error=errors, interleave=_INTERLEAVE.value)
       row["times_us"].update({key: t.times_us for key, t in timings.items()})
       print(label, f"{len(timings)} functions timed in {time.time() - t0:.1f}s", flush=True)
       # Bytes each GPU sends: its D - 1 peer chunks of partials.

@@ -2,6 +2,7 @@
 # The multi-GPU runs, on whatever GPU count the machine has (2, 4 or 8), each call < 10 minutes.
 # Results under ${OUT:-/tmp/mg}; every record is labelled with the D it ran at.
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh check    # env + correctness + 1000-call stress
+#   OUT=/tmp/mg bash experiments/run_multi_gpu.sh timer    # the timer's resolution: one function timed twice
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh sweep    # the 16 seed shapes at D = all GPUs
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh proxy8   # the D = 8 k_shard of each seed shape, at D = 2
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh ablate   # where the time goes; then autotune
@@ -38,6 +39,14 @@ case "${1:-check}" in
     python3 -c "import jax; print(jax.__version__, jax.devices())"
     timeout 520 python3 experiments/multi_gpu_check.py --out="$out/multi_gpu_check.json" 2>&1 \
       | quiet | tail -8 ;;
+  timer)
+    # Two executables of one function as candidates A and B (B / A = 1 but for the timer), in
+    # blocks, in rounds and call by call (pallas_rs.bench.alternating): on one GPU, then on two.
+    timeout 200 python3 experiments/timer_check.py --out="$out/timer_check_1gpu.json" 2>&1 \
+      | quiet | tail -10
+    timeout 340 python3 experiments/timer_check.py --num_devices=2 --functions=gemm,seq \
+      --names=llama70b_down_proj_m8192,mixtral8x22b_o_proj_m512 \
+      --out="$out/timer_check_2gpu.json" 2>&1 | quiet | tail -16 ;;
   sweep)
     timeout 560 python3 experiments/matmul_rs_bench.py --mode=multi_gpu --tags=seed \
       --iterations=200 --implementations=xla,fused,auto --xla_peer --keep_going \
@@ -298,7 +307,7 @@ mixtral8x22b_w2_m512,llama70b_o_proj_m2048,mixtral8x22b_o_proj_m2048 \
         2>&1 | tee "$out/stall_loopback_$v.log" | quiet | grep -E '^\{|^loopback|Timeout|File' \
         | cut -c1-200 | head -12
     done ;;
-  *) echo "usage: $0 check|sweep|proxy8|ablate|probe|numerics|model|layers_llama70b|layers_mixtral8x22b|ag|roofline|mesh2d|smallm|\
+  *) echo "usage: $0 check|timer|sweep|proxy8|ablate|probe|numerics|model|layers_llama70b|layers_mixtral8x22b|ag|roofline|mesh2d|smallm|\
 smallm_proxy8|timeline|tiles|order|owner|owner_pull|chains|pull_wm|alone|hang|stall|stall_which|\
 stall_ablate|stall_loopback" >&2
      exit 2 ;;

@@ -312,23 +312,6 @@ def test_device_major_records_per_session_fallback(monkeypatch):
   assert any("one CUPTI session per iteration" in n for n in t.notes)
 
 
-def test_merge_rounds():
-  a = timing.kernels_to_timing([[("k", 0.010), ("k", 0.012)]] * 2, 2, paired=True)
-  b = timing.kernels_to_timing([[("k", 0.020), ("k", 0.014)]], 2, paired=True)
-  a.host_batch_us, b.host_batch_us = 10.0, 40.0
-  a.notes.append("only in a")
-  t = timing.merge_rounds([a, b])
-  assert t.times_us == pytest.approx([12.0, 12.0, 20.0])
-  assert t.times_min_us == pytest.approx([10.0, 10.0, 14.0])
-  assert t.device_times_us == [pytest.approx([10.0, 10.0, 20.0]), pytest.approx([12.0, 12.0, 14.0])]
-  assert t.iterations == 3 and t.host_batch_us == pytest.approx(20.0)
-  assert t.kernels["k"]["max_us"] == pytest.approx(20.0)
-  assert "2 rounds" in t.rule and t.notes.count("only in a") == 1
-  assert timing.merge_rounds([a]).rule == a.rule
-  with pytest.raises(ValueError, match="no rounds"):
-    timing.merge_rounds([])
-
-
 def test_record_layout_without_gpus_is_unknown():
   assert cupti.record_layout() == cupti.UNKNOWN
 
@@ -393,27 +376,3 @@ def test_time_function_validation(kwargs, match):
 def test_probe_layout_off_gpu_is_unknown():
   # No Mosaic GPU CUPTI session on CPU: the probe says it cannot tell (the legacy rule runs).
   assert cupti.probe_layout(jax.devices()[:2]) == cupti.UNKNOWN
-
-
-def test_time_alternating_order_and_errors(monkeypatch):
-  # The functions take turns within each round; one that fails is reported once and dropped.
-  calls = []
-
-  def time_function(fn, args, *, iterations, warmup, timer, num_devices):
-    calls.append((fn, iterations, warmup))
-    assert num_devices == (4 if fn == "good" else 1)  # the item's own, else the default
-    if fn == "bad" and len(calls) > 2:
-      raise RuntimeError("lost the GPU")
-    return timing.Timing(timer="host_wall_clock", times_us=[float(len(calls))] * iterations,
-                         times_min_us=None, rule="fake", iterations=iterations, warmup=warmup)
-
-  monkeypatch.setattr(timing, "time_function", time_function)
-  errors = []
-  got = timing.time_alternating({"a": ("good", (), 4), "b": ("bad", ())}, iterations=5, rounds=3,
-                                warmup=2, on_error=lambda key, e: errors.append((key, str(e))))
-  assert calls == [("good", 2, 2), ("bad", 2, 2), ("good", 2, 0), ("bad", 2, 0), ("good", 1, 0)]
-  assert errors == [("b", "lost the GPU")] and set(got) == {"a"}
-  assert got["a"].times_us == [1.0, 1.0, 3.0, 3.0, 5.0]
-  calls.clear()
-  with pytest.raises(RuntimeError, match="lost the GPU"):
-    timing.time_alternating({"b": ("bad", ())}, iterations=6, rounds=3)

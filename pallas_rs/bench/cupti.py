@@ -8,7 +8,9 @@ they arrive device by device (each device's buffer in one run: BUILD_NOTES, seve
 session), so a chunk held consecutive iterations of one device. `record_layout` checks the
 order once per process with marker kernels; where each device's records come in one run,
 `pair_devices` regroups them so that each iteration holds every device's kernels, device by
-device (`pallas_rs.bench.timing` turns them into step times).
+device (`pallas_rs.bench.timing` turns them into step times). `interleaved_kernels` runs
+several functions call by call in one session and `split_cycles` gives each call its records
+(`pallas_rs.bench.alternating`).
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Kernels = list[tuple[str, float]]  # one iteration: (kernel name, ms)
 
@@ -118,8 +121,7 @@ def probe_layout(devices: Sequence[Any]) -> str:
   `classify_layout`; UNKNOWN if the session cannot run. (One GPU listed twice runs both
   markers on one stream: INTERLEAVED, a check of the probe itself.)"""
   try:
-    from jax._src.lib import mosaic_gpu as mosaic_gpu_lib  # pylint: disable=g-import-not-at-top
-    ext = mosaic_gpu_lib._mosaic_gpu_ext  # pylint: disable=protected-access
+    ext = _extension()
     marks = [jax.jit(jnp.sin), jax.jit(jnp.cos)]
     calls = [(marks[min(i, 1)], jax.device_put(jnp.ones((4096,), jnp.float32), d))
              for i, d in enumerate(devices)]
@@ -158,6 +160,78 @@ def pair_devices(records: Kernels, num_devices: int, iterations: int
     return None
   return [[r for d in range(num_devices) for r in chunks[d * iterations + i]]
           for i in range(iterations)]
+
+
+def _extension():
+  """The Mosaic GPU extension that opens CUPTI sessions (ImportError/AttributeError if none)."""
+  from jax._src.lib import mosaic_gpu as mosaic_gpu_lib  # pylint: disable=g-import-not-at-top
+  return mosaic_gpu_lib._mosaic_gpu_ext  # pylint: disable=protected-access
+
+
+def kernel_names(compiled, args, num_devices: int = 1) -> list[str] | None:
+  """The kernels one call of `compiled(*args)` runs on one device, in order (a CUPTI session
+  of one call); None where several devices' records cannot be told apart or differ."""
+  per_iter, _, paired = session_kernels(compiled, args, 1, num_devices)
+  if num_devices > 1 and not paired:
+    return None
+  return [name for name, _ in per_iter[0][:len(per_iter[0]) // num_devices]]
+
+
+def interleaved_kernels(calls: Sequence[tuple[Any, Sequence[Any]]],
+                        names: Sequence[Sequence[str]], iterations: int,
+                        num_devices: int = 1) -> list[list[Kernels]] | None:
+  """One CUPTI session of `iterations` cycles, each calling every `(function, args)` of
+  `calls` once, in turn; per function, per iteration, its records device by device (as
+  `pair_devices` gives them). `names[j]`: function j's kernels on one device
+  (`kernel_names`). None if the records do not split into those cycles."""
+  ext = _extension()
+  ext._cupti_init()  # pylint: disable=protected-access
+  try:
+    jax.block_until_ready([fn(*args) for _ in range(iterations) for fn, args in calls])
+  finally:
+    records = ext._cupti_get_timings(True)  # pylint: disable=protected-access
+  if num_devices > 1 and record_layout() != DEVICE_MAJOR:
+    return None
+  return split_cycles([(str(n), float(ms)) for n, ms in records or []], names, iterations,
+                      num_devices)
+
+
+def split_cycles(records: Kernels, names: Sequence[Sequence[str]], iterations: int,
+                 num_devices: int = 1) -> list[list[Kernels]] | None:
+  """Records of `iterations` cycles of the functions whose per-device kernels are `names`,
+  device by device (DEVICE_MAJOR; one device: in order), regrouped: [function][iteration]
+  -> that call's records, device by device. None unless every device's run is exactly
+  `iterations` repetitions of the cycle and fits one activity buffer."""
+  cycle = [name for function in names for name in function]
+  per_device = iterations * len(cycle)
+  if (not cycle or len(records) != num_devices * per_device
+      or per_device > MAX_RECORDS_PER_BUFFER
+      or [name for name, _ in records] != cycle * (num_devices * iterations)):
+    return None
+  starts = list(itertools.accumulate([0] + [len(f) for f in names]))
+  return [[[r for d in range(num_devices)
+            for r in records[(d * iterations + i) * len(cycle) + starts[j]:
+                             (d * iterations + i) * len(cycle) + starts[j + 1]]]
+           for i in range(iterations)] for j in range(len(names))]
+
+
+def sync_call(args: Sequence[Any], num_devices: int):
+  """A scalar psum over the devices that `args`' arrays live on, compiled, with its argument:
+  (function, args), or None unless they are `num_devices` devices. Called before each
+  function of an interleaved cycle (its records dropped), it lines the devices up, so
+  that a function's first collective does not wait out the skew that an independent
+  function before it (XLA's GEMM alone) left between the devices."""
+  devices = sorted({d for a in jax.tree.leaves(args) if hasattr(a, "sharding")
+                    for d in a.sharding.device_set}, key=lambda d: d.id)
+  if len(devices) != num_devices:
+    return None
+  mesh = jax.sharding.Mesh(np.array(devices), ("sync",))
+  spec = jax.sharding.PartitionSpec("sync")
+  x = jax.device_put(jnp.zeros((num_devices,), jnp.float32),
+                     jax.sharding.NamedSharding(mesh, spec))
+  psum = jax.shard_map(lambda v: jax.lax.psum(v, "sync"), mesh=mesh, in_specs=spec,
+                       out_specs=spec)
+  return jax.jit(psum).lower(x).compile(), (x,)
 
 
 def _as_iterations(timings, iterations: int) -> list[Kernels]:

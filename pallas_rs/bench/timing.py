@@ -39,7 +39,7 @@ a host sync between iterations; `Timing.notes` says so.
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 import dataclasses
 import time
 from typing import Any
@@ -163,7 +163,7 @@ def time_function(fn: Callable[..., Any], args: Sequence[Any], *,
   sessions = _session_sizes(iterations, _calls_in_flight(compiled))
   per_iter, notes, paired, batch = [], [], [], 0.0
   for calls in sessions:
-    batch += _host_batch_us(compiled, args, calls) * calls
+    batch += host_batch_us(compiled, args, calls) * calls
     its, session_notes, session_paired = cupti.session_kernels(compiled, args, calls,
                                                               num_devices)
     per_iter += its
@@ -187,6 +187,12 @@ MAX_OUTPUT_BYTES_IN_FLIGHT = 16 << 30
 
 def _calls_in_flight(compiled) -> int | None:
   """How many calls' outputs fit MAX_OUTPUT_BYTES_IN_FLIGHT per device (None: no limit)."""
+  nbytes = output_bytes(compiled)
+  return max(1, MAX_OUTPUT_BYTES_IN_FLIGHT // nbytes) if nbytes else None
+
+
+def output_bytes(compiled) -> int | None:
+  """Bytes of one call's outputs per device (None if the function does not say)."""
   try:
     infos = jax.tree.leaves(compiled.out_info)
   except AttributeError:
@@ -197,7 +203,7 @@ def _calls_in_flight(compiled) -> int | None:
     if getattr(info, "sharding", None) is not None:
       shape = info.sharding.shard_shape(shape)
     nbytes += int(np.prod(shape)) * np.dtype(info.dtype).itemsize
-  return max(1, MAX_OUTPUT_BYTES_IN_FLIGHT // nbytes) if nbytes else None
+  return nbytes
 
 
 def _session_sizes(iterations: int, limit: int | None) -> list[int]:
@@ -213,68 +219,6 @@ def round_iterations(iterations: int, rounds: int) -> list[int]:
   return [q + (i < r) for i in range(rounds)]
 
 
-def time_alternating(items: Mapping[Any, tuple[Any, Sequence[Any]]], *, iterations: int,
-                     rounds: int, warmup: int = DEFAULT_WARMUP, timer: str = "auto",
-                     num_devices: int = 1,
-                     on_error: Callable[[Any, Exception], None] | None = None
-                     ) -> dict[Any, Timing]:
-  """Times every function of `items` (key -> (compiled function, args), or (function, args,
-  its num_devices)) for `iterations` calls, in `rounds` rounds with the functions in turn
-  within each, so that a slow phase of the GPUs falls on all of them alike; key -> the
-  merged `Timing` (`merge_rounds`). A function whose timing raises is dropped after
-  `on_error(key, exception)`; without `on_error` the exception propagates."""
-  parts: dict[Any, list[Timing]] = {key: [] for key in items}
-  for i, calls in enumerate(round_iterations(iterations, rounds)):
-    for key, (fn, args, *devices) in items.items():
-      if key not in parts:
-        continue
-      try:
-        parts[key].append(time_function(fn, args, iterations=calls,
-                                        warmup=warmup if i == 0 else 0, timer=timer,
-                                        num_devices=devices[0] if devices else num_devices))
-      except Exception as e:  # pylint: disable=broad-except
-        if on_error is None:
-          raise
-        on_error(key, e)
-        del parts[key]
-  return {key: merge_rounds(timings) for key, timings in parts.items()}
-
-
-def merge_rounds(rounds: Sequence[Timing]) -> Timing:
-  """One `Timing` from the rounds of one function timed in turn with others (the harness
-  alternates candidates round by round, so that a slow phase of the GPUs falls on all of
-  them alike): times concatenated in round order; per kernel, the max and the median of
-  the rounds' medians; `host_batch_us` weighted by iterations."""
-  if not rounds:
-    raise ValueError("no rounds to merge")
-  first = rounds[0]
-  if any(t.timer != first.timer for t in rounds):
-    raise ValueError(f"rounds with different timers: {[t.timer for t in rounds]}")
-  iterations = sum(t.iterations for t in rounds)
-  batches = [t.host_batch_us for t in rounds]
-  kernels = None
-  if all(t.kernels for t in rounds):
-    kernels = {name: {"count_per_iteration": info["count_per_iteration"],
-                      "median_us": float(np.median([t.kernels[name]["median_us"]
-                                                    for t in rounds if name in t.kernels])),
-                      "max_us": max(t.kernels[name]["max_us"]
-                                    for t in rounds if name in t.kernels)}
-               for name, info in first.kernels.items()}
-  devices = [t.device_times_us for t in rounds]
-  return Timing(
-      timer=first.timer, times_us=[x for t in rounds for x in t.times_us],
-      times_min_us=(None if any(t.times_min_us is None for t in rounds)
-                    else [x for t in rounds for x in t.times_min_us]),
-      rule=first.rule + (f"; {len(rounds)} rounds, alternating with the other candidates"
-                         if len(rounds) > 1 else ""),
-      iterations=iterations, warmup=first.warmup, compile_s=first.compile_s,
-      host_batch_us=(None if None in batches else
-                     sum(b * t.iterations for b, t in zip(batches, rounds)) / iterations),
-      kernels=kernels, notes=list(dict.fromkeys(n for t in rounds for n in t.notes)),
-      device_times_us=(None if None in devices else
-                       [[x for part in parts for x in part] for parts in zip(*devices)]))
-
-
 def _host_times_us(compiled, args, iterations: int) -> list[float]:
   times = []
   for _ in range(iterations):
@@ -284,7 +228,7 @@ def _host_times_us(compiled, args, iterations: int) -> list[float]:
   return times
 
 
-def _host_batch_us(compiled, args, iterations: int) -> float:
+def host_batch_us(compiled, args, iterations: int) -> float:
   t0 = time.perf_counter()
   outs = [compiled(*args) for _ in range(iterations)]
   jax.block_until_ready(outs)

@@ -1,0 +1,171 @@
+"""How finely the benchmarks' timer compares two functions: one function compiled twice and
+timed as two candidates A and B, where a perfect comparison gives B / A = 1.
+
+  PYTHONPATH=. python experiments/timer_check.py                        # one GPU
+  NCCL_NVLS_ENABLE=0 PYTHONPATH=. python experiments/timer_check.py --num_devices=2 \
+      --functions=gemm,seq
+
+Per case of --names and function of --functions ("gemm": XLA's dot on each device, the
+per-device GEMM m x k/D x n with D = --num_devices; "seq": that dot then `psum_scatter`
+over the D GPUs, the unfused path), --repeats times per method of --methods
+(`pallas_rs.bench.alternating.time_alternating`, --iterations calls per candidate):
+  block:       A's calls, then B's (one round, not interleaved);
+  rounds:      --rounds rounds, each candidate's calls of a round back to back;
+  interleaved: --rounds rounds, call by call in turn in one CUPTI session per round (on
+               several GPUs a scalar psum, not counted, before each call).
+Per repeat: median(B) / median(A), A's median, and (interleaved) the median of the
+per-iteration ratios B_i / A_i. Then --trace_calls calls of A alone, each call's time kept:
+the GPU's slow phases, if any, over a few seconds. JSON under --out; a table last.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+import statistics
+import sys
+
+import bench_env  # experiments/ is sys.path[0] when run as a script.
+import flag_checks
+
+from absl import app
+from absl import flags
+
+FUNCTIONS = ("gemm", "seq")
+METHODS = ("block", "rounds", "interleaved")
+_NAMES = flags.DEFINE_list("names", ["llama70b_o_proj_m8192", "mixtral8x22b_o_proj_m512"],
+                           "Cases of pallas_rs.bench.shapes: global m, k, n.")
+_FUNCTIONS = flags.DEFINE_list("functions", ["gemm"], f"Among {FUNCTIONS}.")
+_METHODS = flags.DEFINE_list("methods", list(METHODS), f"Among {METHODS}.")
+_DEVICES = flags.DEFINE_integer("num_devices", 1, "GPUs: the mesh of the functions.")
+_REPEATS = flags.DEFINE_integer("repeats", 8, "Comparisons per method.")
+_ITERS = flags.DEFINE_integer("iterations", 200, "Timed calls per candidate and comparison.")
+_ROUNDS = flags.DEFINE_integer("rounds", 10, "Rounds of the rounds/interleaved methods.")
+_TRACE = flags.DEFINE_integer("trace_calls", 2000, "Calls of A alone, each call's time kept "
+                              "(0: none).")
+_OUT = flags.DEFINE_string("out", "", "JSON output path; default experiments/out/"
+                           "timer_check.json.")
+
+
+def check_flags() -> None:
+  """UsageError for a flag value that would fail later in the run (flag_checks)."""
+  flag_checks.shape_names("names", _NAMES.value)
+  flag_checks.subset("functions", _FUNCTIONS.value, FUNCTIONS)
+  flag_checks.subset("methods", _METHODS.value, METHODS)
+  flag_checks.positive_ints("num_devices", [_DEVICES.value])
+  flag_checks.positive_ints("repeats", [_REPEATS.value])
+  flag_checks.positive_ints("rounds", [_ROUNDS.value])
+  if not 1 <= _ROUNDS.value <= _ITERS.value:
+    raise app.UsageError(f"--rounds={_ROUNDS.value} must be in [1, --iterations]")
+  if "seq" in _FUNCTIONS.value and _DEVICES.value < 2:
+    raise app.UsageError("--functions=seq needs --num_devices >= 2 (a reduce-scatter)")
+
+
+def require_cupti(timing) -> None:
+  if timing.resolve_timer() != "cupti":
+    raise app.UsageError("timer_check.py checks the CUPTI timer: it needs a GPU")
+
+
+def build(name: str, function: str, d: int):
+  """(jitted function, args): `function` of case `name` on the first `d` GPUs."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  from pallas_rs.bench import shapes  # pylint: disable=g-import-not-at-top
+  from pallas_rs.bench import testing  # pylint: disable=g-import-not-at-top
+
+  case = shapes.by_name(name)
+  mesh = jax.make_mesh((d,), ("tp",), devices=jax.devices()[:d])
+  x, w = testing.generate(0, case.m, case.k, case.n, num_devices=d,
+                          shardings=testing.row_parallel_shardings(mesh, "tp"))
+
+  def body(xs, ws):
+    y = jnp.dot(xs, ws, preferred_element_type=jnp.float32).astype(xs.dtype)
+    if function == "seq":
+      y = jax.lax.psum_scatter(y, "tp", scatter_dimension=0, tiled=True)
+    return y
+
+  fn = jax.shard_map(body, mesh=mesh, in_specs=(P(None, "tp"), P("tp", None)),
+                     out_specs=P("tp", None))
+  return jax.jit(fn), (x, w)
+
+
+def compare(name: str, function: str, d: int) -> dict:
+  """The --repeats comparisons of --methods for one case and function, then the trace."""
+  from pallas_rs.bench import alternating  # pylint: disable=g-import-not-at-top
+  from pallas_rs.bench import timing  # pylint: disable=g-import-not-at-top
+
+  fn, args = build(name, function, d)
+  # Two executables of one program: B / A = 1 but for the timer.
+  a, b = (timing.compile_function(fn, args)[0] for _ in range(2))
+  row = {"name": name, "function": function, "num_devices": d, "methods": {}}
+  for repeat in range(_REPEATS.value):
+    for method in _METHODS.value:
+      got = alternating.time_alternating(
+          {"A": (a, args), "B": (b, args)}, iterations=_ITERS.value,
+          rounds=1 if method == "block" else _ROUNDS.value, num_devices=d,
+          interleave=method == "interleaved")
+      ta, tb = got["A"], got["B"]
+      entry = row["methods"].setdefault(method, {"ratio": [], "a_median_us": [],
+                                                 "paired_ratio": [], "rules": []})
+      entry["ratio"].append(tb.median_us / ta.median_us)
+      entry["a_median_us"].append(ta.median_us)
+      entry["paired_ratio"].append(statistics.median(
+          y / x for x, y in zip(ta.times_us, tb.times_us)))
+      if repeat == 0:
+        entry["rules"] = [ta.rule] + ta.notes
+        entry["first_times_us"] = {"A": ta.times_us, "B": tb.times_us}
+  if _TRACE.value:
+    trace = timing.time_function(a, args, iterations=_TRACE.value, warmup=0, num_devices=d)
+    row["trace_us"], row["trace_rule"] = trace.times_us, trace.rule
+  return row
+
+
+def summary(row: dict) -> list[list[str]]:
+  """Table rows: per method, B / A's mean and spread over the repeats, A's median."""
+  fmt = bench_env.fmt
+  out = []
+  for method, e in row["methods"].items():
+    dev = [abs(1 - r) for r in e["ratio"]]
+    out.append([row["name"], row["function"], method, fmt(statistics.mean(e["ratio"]), ".4f"),
+                fmt(statistics.pstdev(e["ratio"]), ".4f"), fmt(max(dev), ".4f"),
+                fmt(statistics.mean(e["paired_ratio"]), ".4f"),
+                fmt(statistics.mean(e["a_median_us"]), ".1f")])
+  if "trace_us" in row:
+    t = row["trace_us"]
+    blocks = [statistics.mean(t[i:i + 50]) for i in range(0, len(t) - 49, 50)]
+    out.append([row["name"], row["function"], f"trace {len(t)} calls", "", "", "",
+                f"blocks of 50: {min(blocks):.1f}-{max(blocks):.1f} us",
+                fmt(statistics.median(t), ".1f")])
+  return out
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  bench_env.configure_environment("multi_gpu" if _DEVICES.value > 1 else "single_gpu")
+  check_flags()
+  import jax  # pylint: disable=g-import-not-at-top
+  from pallas_rs.bench import timing  # pylint: disable=g-import-not-at-top
+
+  require_cupti(timing)
+  if len(jax.devices()) < _DEVICES.value:
+    raise app.UsageError(f"--num_devices={_DEVICES.value}: {len(jax.devices())} visible")
+  out = Path(_OUT.value) if _OUT.value else bench_env.default_out("timer_check.json")
+  record = {"environment": bench_env.environment_block(sys.argv), "rows": []}
+  table = []
+  for name in _NAMES.value:
+    for function in _FUNCTIONS.value:
+      row = compare(name, function, _DEVICES.value)
+      record["rows"].append(row)
+      bench_env.write_json(out, record)
+      table += summary(row)
+      print(f"{name} {function}: done", flush=True)
+  print(f"\nwrote {out}\n")
+  print("| case | function | method | B/A mean | sd | max abs(1 - B/A) | paired B/A | A us |")
+  print("|---|---|---|---|---|---|---|---|")
+  for cells in table:
+    print("| " + " | ".join(cells) + " |")
+  return 0
+
+
+if __name__ == "__main__":
+  app.run(main)

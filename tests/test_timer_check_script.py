@@ -1,0 +1,56 @@
+"""experiments/timer_check.py on CPU: it refuses to run without CUPTI; with the refusal lifted,
+its plumbing (two executables of one function, the three methods, the trace, the JSON and the
+table) on the host timer, where its numbers mean nothing."""
+import json
+
+from absl import app
+import pytest
+
+import helpers
+
+
+def test_timer_check_refuses_a_cpu():
+  mod = helpers.load_script("timer_check")
+  try:
+    from pallas_rs.bench import timing  # pylint: disable=g-import-not-at-top
+    with pytest.raises(app.UsageError, match="needs a GPU"):
+      mod.require_cupti(timing)
+  finally:
+    helpers.forget_scripts("timer_check")
+
+
+@pytest.mark.slow  # a subprocess with jax on 8 host devices: the slow layer (tests/conftest.py).
+def test_timer_check_script_plumbing(tmp_path):
+  out = tmp_path / "timer_check.json"
+  proc = helpers.run_script_with_stand_ins(
+      "timer_check.py", ["--names=ci_llama70b_o_proj_d2", "--num_devices=2",
+                         "--functions=gemm,seq", "--repeats=2", "--iterations=4", "--rounds=2",
+                         "--trace_calls=100", f"--out={out}"],
+      stand_ins="", after_load="mod.require_cupti = lambda timing: None")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = json.loads(out.read_text())["rows"]
+  assert [(r["function"], r["num_devices"]) for r in rows] == [("gemm", 2), ("seq", 2)]
+  for row in rows:
+    assert set(row["methods"]) == {"block", "rounds", "interleaved"}
+    for entry in row["methods"].values():
+      assert len(entry["ratio"]) == 2 and all(r > 0 for r in entry["ratio"])
+      assert len(entry["first_times_us"]["A"]) == 4
+    assert len(row["trace_us"]) == 100
+  assert "| ci_llama70b_o_proj_d2 | seq | interleaved |" in proc.stdout
+  assert "trace 100 calls" in proc.stdout
+
+
+def test_timer_check_flags():
+  mod = helpers.load_script("timer_check")
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  try:
+    for argv, match in ((["--functions=seq"], "needs --num_devices >= 2"),
+                        (["--methods=blocks"], "--methods: not one of"),
+                        (["--rounds=300"], "--rounds=300")):
+      flags.FLAGS.unparse_flags()
+      flags.FLAGS(["timer_check.py", *argv])
+      with pytest.raises(app.UsageError, match=match):
+        mod.check_flags()
+  finally:
+    flags.FLAGS.unparse_flags()
+    helpers.forget_scripts("timer_check")
