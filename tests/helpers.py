@@ -11,6 +11,7 @@ Conventions (also used by the kernel tests):
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
@@ -233,6 +234,15 @@ def load_script(name: str):
     sys.modules[name] = module
     spec.loader.exec_module(module)
   return sys.modules[name]
+
+
+@contextlib.contextmanager
+def script(name: str):
+  """experiments/`name`.py loaded (`load_script`) for the block, then forgotten."""
+  try:
+    yield load_script(name)
+  finally:
+    forget_scripts(name)
 
 
 def forget_scripts(*names: str) -> None:

@@ -52,14 +52,10 @@ def test_gemm_core_script_plumbing(tmp_path):
 
 
 def test_gemm_core_refuses_a_cpu():
-  mod = helpers.load_script("gemm_core")
-  try:
-    import jax  # pylint: disable=g-import-not-at-top
-    from absl import app  # pylint: disable=g-import-not-at-top
-    with pytest.raises(app.UsageError, match="Hopper GPU"):
-      mod.require_gpu(jax)
-  finally:
-    helpers.forget_scripts("gemm_core")
+  import jax  # pylint: disable=g-import-not-at-top
+  from absl import app  # pylint: disable=g-import-not-at-top
+  with helpers.script("gemm_core") as mod, pytest.raises(app.UsageError, match="Hopper GPU"):
+    mod.require_gpu(jax)
 
 
 WRONG_FAST_STAND_IN = """

@@ -10,13 +10,9 @@ import helpers
 
 
 def test_timer_check_refuses_a_cpu():
-  mod = helpers.load_script("timer_check")
-  try:
-    from pallas_rs.bench import timing  # pylint: disable=g-import-not-at-top
-    with pytest.raises(app.UsageError, match="needs a GPU"):
-      mod.require_cupti(timing)
-  finally:
-    helpers.forget_scripts("timer_check")
+  from pallas_rs.bench import timing  # pylint: disable=g-import-not-at-top
+  with helpers.script("timer_check") as mod, pytest.raises(app.UsageError, match="needs a GPU"):
+    mod.require_cupti(timing)
 
 
 @pytest.mark.slow  # a subprocess with jax on 8 host devices: the slow layer (tests/conftest.py).
@@ -41,16 +37,15 @@ def test_timer_check_script_plumbing(tmp_path):
 
 
 def test_timer_check_flags():
-  mod = helpers.load_script("timer_check")
   from absl import flags  # pylint: disable=g-import-not-at-top
-  try:
-    for argv, match in ((["--functions=seq"], "needs --num_devices >= 2"),
-                        (["--methods=blocks"], "--methods: not one of"),
-                        (["--rounds=300"], "--rounds=300")):
+  with helpers.script("timer_check") as mod:
+    try:
+      for argv, match in ((["--functions=seq"], "needs --num_devices >= 2"),
+                          (["--methods=blocks"], "--methods: not one of"),
+                          (["--rounds=300"], "--rounds=300")):
+        flags.FLAGS.unparse_flags()
+        flags.FLAGS(["timer_check.py", *argv])
+        with pytest.raises(app.UsageError, match=match):
+          mod.check_flags()
+    finally:
       flags.FLAGS.unparse_flags()
-      flags.FLAGS(["timer_check.py", *argv])
-      with pytest.raises(app.UsageError, match=match):
-        mod.check_flags()
-  finally:
-    flags.FLAGS.unparse_flags()
-    helpers.forget_scripts("timer_check")
