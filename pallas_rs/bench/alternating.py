@@ -36,7 +36,7 @@ def time_alternating(items: Mapping[Any, tuple[Any, Sequence[Any]]], *, iteratio
   cannot be split that way (the reason goes into the notes), each round times each function's
   calls back to back. A function that raises is dropped after `on_error(key, exception)`;
   without `on_error` the exception propagates."""
-  timer, fallback = timing.resolve_timer(timer), None
+  timer, fallback, compile_s = timing.resolve_timer(timer), None, {}
   if interleave and timer == "cupti" and len(items) > 1:
     items, compile_s = _compiled_and_warm(items, warmup, num_devices, on_error)
     timed, fallback = _time_interleaved(items, iterations, rounds, warmup)
@@ -52,17 +52,18 @@ def time_alternating(items: Mapping[Any, tuple[Any, Sequence[Any]]], *, iteratio
       if key not in parts:
         continue
       try:
-        parts[key].append(timing.time_function(fn, args, iterations=calls,
-                                        warmup=warmup if i == 0 else 0, timer=timer,
-                                        num_devices=devices[0] if devices else num_devices))
+        parts[key].append(timing.time_function(
+            fn, args, iterations=calls, warmup=warmup if i == 0 else 0, timer=timer,
+            num_devices=devices[0] if devices else num_devices))
       except Exception as e:  # pylint: disable=broad-except
         if on_error is None:
           raise
         on_error(key, e)
         del parts[key]
   merged = {key: merge_rounds(timings) for key, timings in parts.items()}
-  for t in merged.values():
+  for key, t in merged.items():
     t.notes += [fallback] if fallback else []
+    t.compile_s = compile_s.get(key, t.compile_s)
   return merged
 
 
@@ -92,6 +93,8 @@ def _time_interleaved(items, iterations: int, rounds: int, warmup: int
                       ) -> tuple[dict[Any, Timing] | None, str | None]:
   """`time_alternating`'s interleaved rounds over compiled, warm `items`: (timings, None), or
   (None, why not) where the records cannot be split call by call."""
+  if not items:
+    return {}, None
   counts = {nd for _, _, nd in items.values()}
   if len(counts) != 1:
     return None, "functions on different numbers of devices: not interleaved"
