@@ -189,10 +189,16 @@ def progress_line(done: int, total: int, records: Sequence[dict[str, Any]],
           + ", ".join(parts))
 
 
+def _interval(mets: dict[str, Any]) -> str:
+  """E's 95% bootstrap interval over the timing rounds as 'lo..hi', or '-'."""
+  ci = mets.get("overlap_efficiency_ci95")
+  return f"{ci[0]:.2f}..{ci[1]:.2f}" if ci else "-"
+
+
 def format_table(records: Sequence[dict[str, Any]]) -> str:
   """A short fixed-width table: one row per record."""
   header = (f"{'shape':<40} {'impl':<20} {'D':>2} {'median_us':>10} "
-            f"{'p90_us':>9} {'E':>6} {'speedup':>7} {'max_rel_err':>11} "
+            f"{'p90_us':>9} {'E':>6} {'E 95%':>11} {'speedup':>7} {'max_rel_err':>11} "
             f"{'ratio':>6} status")
   lines = [header, "-" * len(header)]
   for r in records:
@@ -208,7 +214,7 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
         f"{r['shape']['name'][:40]:<40} {r['implementation'][:20]:<20} "
         f"{r['shape']['num_devices']:>2} {fmt(stats.get('median')):>10} "
         f"{fmt(stats.get('p90')):>9} "
-        f"{fmt(mets.get('overlap_efficiency')):>6} "
+        f"{fmt(mets.get('overlap_efficiency')):>6} {_interval(mets):>11} "
         f"{fmt(mets.get('speedup_vs_seq', mets.get('speedup_vs_reference'))):>7} "
         f"{fmt(chk.get('max_rel_error'), '.3g'):>11} "
         f"{fmt(chk.get('ratio_to_unfused')):>6} {status[:90]}")

@@ -84,13 +84,20 @@ LEGEND_NAMES = {
 }
 
 
-def _bar_groups(ax, labels, series: dict[str, list], ylabel):
+def _bar_groups(ax, labels, series: dict[str, list], ylabel, intervals=None):
+  """Grouped bars; `intervals[name]`: per label an (lo, hi) drawn as an error bar, or None."""
   x = np.arange(len(labels))
   width = 0.8 / max(len(series), 1)
   for i, (name, values) in enumerate(series.items()):
     vals = [np.nan if v is None else v for v in values]
     label = LEGEND_NAMES.get(name, LEGEND_NAMES.get(name.removeprefix("T_"), name))
-    ax.bar(x + (i - (len(series) - 1) / 2) * width, vals, width, label=label)
+    spans = (intervals or {}).get(name)
+    yerr = None
+    if spans and any(spans):
+      yerr = np.array([[np.nan, np.nan] if c is None or v is None else [v - c[0], c[1] - v]
+                       for v, c in zip(values, spans)]).T.clip(min=0)
+    ax.bar(x + (i - (len(series) - 1) / 2) * width, vals, width, label=label, yerr=yerr,
+           capsize=2, error_kw={"linewidth": 0.8})
   ax.set_xticks(x)
   ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=7)
   ax.set_xlabel("shape (model_projection_m<tokens>)", fontsize=8)
@@ -106,9 +113,11 @@ def plot_sharded(doc, stem: str, out_dir: Path) -> list[Path]:
                   if i not in BASELINES})
   written = []
   fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(labels) + 3), 4.5))
-  series = {i: [(shapes[s].get(i, {}).get("metrics") or {}).get(
-      "overlap_efficiency") for s in labels] for i in impls}
-  _bar_groups(ax, labels, series, "overlap efficiency E (higher is better)")
+  mets = {i: [shapes[s].get(i, {}).get("metrics") or {} for s in labels] for i in impls}
+  series = {i: [m.get("overlap_efficiency") for m in mets[i]] for i in impls}
+  spans = {i: [m.get("overlap_efficiency_ci95") for m in mets[i]] for i in impls}
+  _bar_groups(ax, labels, series, "E (higher is better), 95% bars",
+              intervals=spans)
   ax.axhline(FLAGS.target, color="red", linestyle="--", linewidth=1,
              label=f"target {FLAGS.target}")
   ax.axhline(0.0, color="black", linewidth=0.5)

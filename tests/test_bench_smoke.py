@@ -312,7 +312,7 @@ def test_smoke_end_to_end(tmp_path):
   env.pop("XLA_FLAGS", None)  # the script must force the 8 host devices itself
   env["JAX_PLATFORMS"] = "cpu"
   cmd = [sys.executable, str(BENCH), "--mode=smoke", f"--names={SMOKE_NAMES}",
-         "--iterations=3", "--warmup=1", "--implementations=xla,fused,auto",
+         "--iterations=3", "--rounds=3", "--warmup=1", "--implementations=xla,fused,auto",
          "--xla_peer", f"--out={out}"]
   res = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                        env=env, cwd=tmp_path, check=False)
@@ -337,6 +337,8 @@ def test_smoke_end_to_end(tmp_path):
     assert xla["check"]["ratio_to_unfused"] == pytest.approx(1.0)
     assert set(xla["metrics"]) >= {"overlap_efficiency", "speedup_vs_seq",
                                    "comm_hidden_fraction", "fused_over_ideal"}
+    lo, hi = xla["metrics"]["overlap_efficiency_ci95"]  # three rounds: an interval
+    assert lo <= hi
     assert "windowed_dot_general" in by[(name, "xla_windowed_einsum")]["hlo"]
 
   plots = tmp_path / "plots"

@@ -376,3 +376,19 @@ def test_time_function_validation(kwargs, match):
 def test_probe_layout_off_gpu_is_unknown():
   # No Mosaic GPU CUPTI session on CPU: the probe says it cannot tell (the legacy rule runs).
   assert cupti.probe_layout(jax.devices()[:2]) == cupti.UNKNOWN
+
+
+def test_overlap_interval_resamples_rounds_together():
+  # Two rounds; in the second every function runs 1.5x slower (a slow phase). Resampled
+  # round by round together, E stays what both rounds give alone: a point interval.
+  gemm = [100.0] * 4 + [150.0] * 4
+  comm = [50.0] * 4 + [75.0] * 4
+  fused = [110.0] * 4 + [165.0] * 4
+  lo, hi = metrics.overlap_interval(gemm, comm, fused, rounds=2)
+  assert lo == pytest.approx(0.8) and hi == pytest.approx(0.8)
+  # The fused path alone drifts between rounds: the interval spans both rounds' E.
+  fused = [110.0] * 4 + [120.0] * 4
+  lo, hi = metrics.overlap_interval([100.0] * 8, [50.0] * 8, fused, rounds=2)
+  assert lo == pytest.approx(0.6) and hi == pytest.approx(0.8)
+  assert metrics.overlap_interval(gemm, comm, fused, rounds=1) is None
+  assert metrics.overlap_interval(gemm, comm[:-1], fused, rounds=2) is None

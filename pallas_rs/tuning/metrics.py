@@ -99,6 +99,31 @@ def overlap_metrics(*, t_gemm: float, t_comm: float, t_seq: float,
   }
 
 
+def overlap_interval(t_gemm: Sequence[float], t_comm: Sequence[float],
+                     t_fused: Sequence[float], *, rounds: int, level: float = 0.95,
+                     draws: int = 2000, seed: int = 0) -> tuple[float, float] | None:
+  """A `level` percentile interval of E (of the three functions' medians) under a bootstrap
+  that resamples the timing rounds, round r of every function together: the benchmarks
+  time the functions in turn within a round (pallas_rs.bench.alternating), so a slow phase
+  of the GPUs that lengthens one function's round lengthens the others' too, and
+  consecutive iterations are not independent. Each list holds `rounds` rounds in order,
+  nearly equal, the larger first (`timing.round_iterations`). None with fewer than two
+  rounds or lists of different lengths."""
+  n = len(t_fused)
+  if rounds < 2 or n < rounds or len(t_gemm) != n or len(t_comm) != n:
+    return None
+  times = np.asarray([t_gemm, t_comm, t_fused], dtype=np.float64)
+  blocks = np.array_split(np.arange(n), rounds)
+  rng = np.random.default_rng(seed)
+  draws_e = []
+  for _ in range(draws):
+    idx = np.concatenate([blocks[r] for r in rng.integers(0, rounds, rounds)])
+    gemm, comm, fused = np.median(times[:, idx], axis=1)
+    draws_e.append(overlap_efficiency(gemm, comm, fused))
+  lo, hi = np.quantile(draws_e, [(1 - level) / 2, (1 + level) / 2])
+  return float(lo), float(hi)
+
+
 # ---------------------------------------------------------------------------
 # Work and traffic.
 # ---------------------------------------------------------------------------
