@@ -156,7 +156,8 @@ Rows per shape: gemm = jnp.dot alone (T_gemm), comm = psum_scatter of the [m, n]
 (T_comm), seq = dot then psum_scatter (T_seq, today's unfused path), then each implementation of
 the op (fused = the Pallas kernel, xla, auto) and xla_windowed_einsum (XLA's collective matmul).
 E = (T_gemm + T_comm - T_fused) / min(T_gemm, T_comm): 0 = no overlap, 1 = the fused time reached
-max(T_gemm, T_comm); speedup = T_seq / T_fused. max_rel_err is normwise against a float64 numpy
+max(T_gemm, T_comm); E 95% = its interval over the timing rounds (a bootstrap of rounds);
+speedup = T_seq / T_fused. max_rel_err is normwise against a float64 numpy
 reference; ratio = that error / the unfused path's (the seed rule: <= 1.1)."""
 
 

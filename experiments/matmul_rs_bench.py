@@ -168,6 +168,17 @@ def settings_from_flags(timer: str):
       bus_bandwidth=FLAGS.bus_bandwidth or metrics.MEASURED_RS_BUS_BANDWIDTH)
 
 
+def timing_summary(records) -> str:
+  """How many timed records ran call by call (pallas_rs.bench.alternating), and why the
+  others did not (the device output's tail filters absl's warnings)."""
+  from pallas_rs.bench import alternating  # pylint: disable=g-import-not-at-top
+  timed = [r["timing"] for r in records if r.get("timing")]
+  interleaved = sum(alternating.INTERLEAVED_RULE in t["rule"] for t in timed)
+  why = sorted({n for t in timed for n in t["notes"] if n.endswith(alternating.NOT_INTERLEAVED)})
+  return (f"timed call by call: {interleaved} of {len(timed)} records"
+          + "".join(f"\n  {n}" for n in why))
+
+
 def check_flags() -> None:
   """UsageError for a flag value that would fail later in the run (flag_checks)."""
   from pallas_rs import api  # pylint: disable=g-import-not-at-top
@@ -264,6 +275,8 @@ def main(argv: Sequence[str]) -> int:
   if doc["environment"].get("cupti_record_layout"):
     # "device_major": the timer paired each CUPTI record with its device (pallas_rs/bench/cupti.py).
     print(f"CUPTI record order across devices: {doc['environment']['cupti_record_layout']}")
+  if timer == "cupti":
+    print(timing_summary(records))
   if timer == "host_wall_clock":
     print(f"timer=host_wall_clock: {NO_CLAIMS}; E and speedup are not shown (noise on a "
           "CPU): this run checks that every path runs and is correct, not how fast it is")

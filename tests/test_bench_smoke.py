@@ -188,6 +188,18 @@ def test_rounds_flag(bench):
   with flagsaver.flagsaver(rounds=9, iterations=8):
     with pytest.raises(app.UsageError, match="--rounds=9"):
       bench.check_flags()
+  assert bench.settings_from_flags("cupti").interleave
+  with flagsaver.flagsaver(interleave=False):
+    assert not bench.settings_from_flags("cupti").interleave
+
+
+def test_timing_summary_counts_the_interleaved_records_and_says_why_not(bench):
+  from pallas_rs.bench import alternating  # pylint: disable=g-import-not-at-top
+  why = "records did not split into cycles of the calls" + alternating.NOT_INTERLEAVED
+  records = [{"timing": {"rule": f"one device; {alternating.INTERLEAVED_RULE}", "notes": []}},
+             {"timing": {"rule": "one device", "notes": ["other", why]}},
+             {"timing": {"rule": "one device", "notes": [why]}}, {"timing": None}]
+  assert bench.timing_summary(records) == f"timed call by call: 1 of 3 records\n  {why}"
 
 
 def test_candidates_are_timed_in_alternating_rounds(harness, monkeypatch):

@@ -85,8 +85,10 @@ def _compiled_and_warm(items, warmup: int, num_devices: int, on_error):
   return ready, compile_s
 
 
-_INTERLEAVED = ("; timed call by call in turn with the other candidates, one CUPTI session "
-                "per round")
+# How a record says which way it was timed (its `rule`), and why not call by call (its notes).
+INTERLEAVED_RULE = "timed call by call in turn with the other candidates"
+NOT_INTERLEAVED = ": not interleaved"
+_INTERLEAVED = f"; {INTERLEAVED_RULE}, one CUPTI session per round"
 
 
 def _time_interleaved(items, iterations: int, rounds: int, warmup: int
@@ -97,31 +99,32 @@ def _time_interleaved(items, iterations: int, rounds: int, warmup: int
     return {}, None
   counts = {nd for _, _, nd in items.values()}
   if len(counts) != 1:
-    return None, "functions on different numbers of devices: not interleaved"
+    return None, "functions on different numbers of devices" + NOT_INTERLEAVED
   nd = counts.pop()
   calls = [(compiled, args) for compiled, args, _ in items.values()]
   try:
     if nd > 1:
       sync = cupti.sync_call([args for _, args in calls], nd)
       if sync is None:
-        return None, f"arguments not on {nd} devices: not interleaved"
+        return None, f"arguments not on {nd} devices{NOT_INTERLEAVED}"
       calls = [c for call in calls for c in (sync, call)]
     names = [cupti.kernel_names(fn, args, nd) for fn, args in calls]
     if None in names:
-      return None, "kernel records not told apart by device: not interleaved"
+      return None, "kernel records not told apart by device" + NOT_INTERLEAVED
     # A session holds its calls' outputs, and each device's records must fit one buffer.
     nbytes = sum(timing.output_bytes(c) or 0 for c, _, _ in items.values())
     per_session = min(max(1, timing.MAX_OUTPUT_BYTES_IN_FLIGHT // nbytes) if nbytes
                       else iterations, cupti.MAX_RECORDS_PER_BUFFER // sum(map(len, names)))
     if per_session < 1:
-      return None, "a cycle of the calls has too many kernels for one session: not interleaved"
+      return None, ("a cycle of the calls has too many kernels for one session"
+                    + NOT_INTERLEAVED)
     limit = -(-iterations // per_session)
     parts: dict[Any, list[Timing]] = {key: [] for key in items}
     for n in timing.round_iterations(iterations, min(iterations, max(rounds, limit))):
       batch = {key: timing.host_batch_us(c, a, n) for key, (c, a, _) in items.items()}
       got = cupti.interleaved_kernels(calls, names, n, nd)
       if got is None:
-        return None, "records did not split into cycles of the calls: not interleaved"
+        return None, "records did not split into cycles of the calls" + NOT_INTERLEAVED
       for key, per_iter in zip(items, got[1::2] if nd > 1 else got):
         t = timing.kernels_to_timing(per_iter, nd, paired=nd > 1)
         t.rule += _INTERLEAVED + (" (a scalar psum, not counted, before each call lines "
@@ -129,7 +132,7 @@ def _time_interleaved(items, iterations: int, rounds: int, warmup: int
         t.iterations, t.warmup, t.host_batch_us = n, warmup, batch[key]
         parts[key].append(t)
   except Exception as e:  # pylint: disable=broad-except
-    return None, f"interleaving failed ({type(e).__name__}: {e}): not interleaved"
+    return None, f"interleaving failed ({type(e).__name__}: {e}){NOT_INTERLEAVED}"
   return {key: merge_rounds(ts) for key, ts in parts.items()}, None
 
 
