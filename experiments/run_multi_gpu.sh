@@ -43,10 +43,10 @@ case "${1:-check}" in
     # Two executables of one function as candidates A and B (B / A = 1 but for the timer), in
     # blocks, in rounds and call by call (pallas_rs.bench.alternating): on one GPU, then on two.
     timeout 200 python3 experiments/timer_check.py --out="$out/timer_check_1gpu.json" 2>&1 \
-      | quiet | tail -10
+      | quiet | tail -12
     timeout 340 python3 experiments/timer_check.py --num_devices=2 --functions=gemm,seq \
       --names=llama70b_down_proj_m8192,mixtral8x22b_o_proj_m512 \
-      --out="$out/timer_check_2gpu.json" 2>&1 | quiet | tail -16 ;;
+      --out="$out/timer_check_2gpu.json" 2>&1 | quiet | tail -20 ;;
   sweep)
     timeout 560 python3 experiments/matmul_rs_bench.py --mode=multi_gpu --tags=seed \
       --iterations=200 --implementations=xla,fused,auto --xla_peer --keep_going \
