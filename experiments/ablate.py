@@ -49,12 +49,7 @@ _ALONE = flags.DEFINE_bool("alone", False, "One GPU: rank --rank of a --num_devi
                            "alone on the GPU (fused.rank_alone) instead of the loopback.")
 _RANK = flags.DEFINE_integer("rank", 0, "--alone: which rank's program.")
 _ITERS = flags.DEFINE_integer("iterations", 100, "Timed iterations per variant.")
-_ROUNDS = flags.DEFINE_integer("rounds", 10, "Timing rounds: --iterations split over them, the "
-                               "variants of a shape timed in turn within each.")
-_INTERLEAVE = flags.DEFINE_bool("interleave", True, "With CUPTI: within a round, the "
-                                "functions run call by call in turn in one CUPTI session "
-                                "(pallas_rs.bench.alternating); --nointerleave: each "
-                                "function's calls back to back.")
+_TIMING = flag_checks.TimingFlags(__name__, "the variants of a shape")
 _OUT = flags.DEFINE_string("out", "", "JSON output path; default experiments/out/"
                            "ablate_<mode>.json (git-ignored).")
 _CONFIGS = flags.DEFINE_list("configs", ["table"], "Config variants per shape "
@@ -83,7 +78,7 @@ def check_flags() -> None:
   flag_checks.shape_names("names", _NAMES.value)
   flag_checks.variant_names("configs", _CONFIGS.value)
   flag_checks.subset("ablations", _ABLATIONS.value, VARIANTS)
-  flag_checks.positive_ints("rounds", [_ROUNDS.value])
+  _TIMING.check()
 
 
 def main(argv):
@@ -175,8 +170,8 @@ def main(argv):
     # the GPUs falls on all alike: BUILD_NOTES, seventy-seventh session).
     timings = alternating.time_alternating(
         {label: (timing.compile_function(fn, args)[0], args) for label, fn in fns.items()},
-        iterations=_ITERS.value, rounds=min(_ROUNDS.value, _ITERS.value),
-        num_devices=d if nvlink else 1, interleave=_INTERLEAVE.value)
+        iterations=_ITERS.value, num_devices=d if nvlink else 1,
+        **_TIMING.kwargs(_ITERS.value))
     for label, t in timings.items():
       row["times_us"][label] = t.times_us
       row.setdefault("timer", t.timer)

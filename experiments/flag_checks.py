@@ -1,4 +1,4 @@
-"""Up-front checks of the experiment scripts' list flags.
+"""Up-front checks of the experiment scripts' list flags, and the timing flags they share.
 
 A script's `check_flags()` calls these first thing in its main (after
 `bench_env.configure_environment`, since they may import jax), so that a misspelt shape,
@@ -10,8 +10,11 @@ Each raises `absl.app.UsageError` naming the flag and the bad values.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+import sys
+from typing import Any
 
 from absl import app
+from absl import flags
 
 
 def _refuse(flag: str, bad: Sequence[str], what: str) -> None:
@@ -63,3 +66,39 @@ def positive_ints(flag: str, values: Iterable[str] | None) -> None:
   """Every value is a positive integer."""
   _refuse(flag, [v for v in values or () if not (str(v).isdigit() and int(v) > 0)],
           "not a positive integer")
+
+
+def _flag_module(module_name: str) -> str:
+  """The name absl files a flag of `module_name` under (the script's path for __main__, so
+  that --help lists it with the script's own flags)."""
+  return sys.argv[0] if module_name == "__main__" else module_name
+
+
+def define_interleave(module_name: str):
+  """--interleave of a script that times functions in turn (pallas_rs.bench.alternating),
+  registered as `module_name`'s flag (tests/helpers.forget_scripts removes it with the
+  script); returns its holder."""
+  return flags.DEFINE_bool(
+      "interleave", True, "With CUPTI: within a round, the functions run call by call in "
+      "turn in one CUPTI session (pallas_rs.bench.alternating); --nointerleave: each "
+      "function's calls back to back.", module_name=_flag_module(module_name))
+
+
+class TimingFlags:
+  """--rounds and --interleave of a script whose main times `timed` in turn with
+  `alternating.time_alternating`, registered as `module_name`'s flags."""
+
+  def __init__(self, module_name: str, timed: str):
+    self._rounds = flags.DEFINE_integer(
+        "rounds", 10, f"Timing rounds: --iterations split over them, {timed} timed in turn "
+        "within each.", module_name=_flag_module(module_name))
+    self._interleave = define_interleave(module_name)
+
+  def check(self) -> None:
+    positive_ints("rounds", [self._rounds.value])
+
+  def kwargs(self, iterations: int) -> dict[str, Any]:
+    """`time_alternating`'s rounds (at most `iterations`) and interleave."""
+    return {"rounds": min(self._rounds.value, iterations),
+            "interleave": self._interleave.value}
+

@@ -43,12 +43,7 @@ _JAX = flags.DEFINE_list("jax", ["128x128_N_-", "128x128_N_M", "64x192_M_-", "64
                          "jax hopper_matmul_mgpu TuningConfigs tMxtN_wgdim_clusterdim.")
 _STEPS = flags.DEFINE_integer("steps", 4, "jax configs: pipeline steps (fit to SMEM down).")
 _ITERS = flags.DEFINE_integer("iterations", 50, "Timed iterations per variant.")
-_ROUNDS = flags.DEFINE_integer("rounds", 10, "Timing rounds: --iterations split over them, "
-                               "a shape's variants timed in turn within each.")
-_INTERLEAVE = flags.DEFINE_bool("interleave", True, "With CUPTI: within a round, the "
-                                "functions run call by call in turn in one CUPTI session "
-                                "(pallas_rs.bench.alternating); --nointerleave: each "
-                                "function's calls back to back.")
+_TIMING = flag_checks.TimingFlags(__name__, "a shape's variants")
 _OUT = flags.DEFINE_string("out", "", "JSON output path; default experiments/out/gemm_core.json.")
 
 
@@ -79,7 +74,7 @@ def check_flags() -> None:
   flag_checks.subset("projections", _PROJ.value, _PROJECTIONS)
   flag_checks.positive_ints("ms", _MS.value)
   flag_checks.positive_ints("ds", _DS.value)
-  flag_checks.positive_ints("rounds", [_ROUNDS.value])
+  _TIMING.check()
   flag_checks.variant_names("ours", _OURS.value)
 
 
@@ -155,9 +150,8 @@ def main(argv):
             fail(label, e)
         # Timed in rounds, in turn within each (BUILD_NOTES, seventy-seventh session).
         timings = alternating.time_alternating(compiled, iterations=_ITERS.value,
-                                          rounds=min(_ROUNDS.value, _ITERS.value),
-                                          num_devices=1, on_error=fail,
-                                          interleave=_INTERLEAVE.value)
+                                               num_devices=1, on_error=fail,
+                                               **_TIMING.kwargs(_ITERS.value))
         for label, t in timings.items():
           try:
             row["max_rel_error"][label] = reference.max_rel_error(

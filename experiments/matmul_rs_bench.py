@@ -100,9 +100,7 @@ flags.DEFINE_integer("warmup", 2, "Untimed calls after compilation.")
 flags.DEFINE_integer("rounds", None, "Timing rounds per shape: --iterations split over "
                      "them, the shape's functions timed in turn within each (so that a slow "
                      "phase of the GPUs falls on all alike); default 10 on GPU, 1 otherwise.")
-flags.DEFINE_bool("interleave", True, "With CUPTI: within a round, the functions run call by "
-                  "call in turn in one CUPTI session (pallas_rs.bench.alternating); "
-                  "--nointerleave: each function's calls back to back.")
+flag_checks.define_interleave(__name__)
 flags.DEFINE_enum("timer", "auto", TIMERS, "auto: cupti on GPU, host wall "
                   "clock on CPU.")
 flags.DEFINE_string("out", "", "JSON output path; default "

@@ -66,12 +66,7 @@ from pallas_rs import tuning
 _OUT = flags.DEFINE_string("out", None, "JSON output path.")
 _NAMES = flags.DEFINE_list("names", [], "Seed shape names (default: all 16).")
 _ITERS = flags.DEFINE_integer("iterations", 30, "Timed iterations per program.")
-_ROUNDS = flags.DEFINE_integer("rounds", 10, "Timing rounds: --iterations split over them, "
-                               "the three programs timed in turn within each.")
-_INTERLEAVE = flags.DEFINE_bool("interleave", True, "With CUPTI: within a round, the "
-                                "functions run call by call in turn in one CUPTI session "
-                                "(pallas_rs.bench.alternating); --nointerleave: each "
-                                "function's calls back to back.")
+_TIMING = flag_checks.TimingFlags(__name__, "the three programs")
 _SCALE = flags.DEFINE_integer("scale", 1, "Divide the seed m, n and k by this (CPU tests of the "
                               "script itself).")
 _BUDGET = flags.DEFINE_float("time_budget_s", 420.0, "Shapes not started by then are skipped "
@@ -191,8 +186,7 @@ def check_shape(name, m, n, k, seed, mesh2, mesh1) -> dict:
   timings = alternating.time_alternating(
       {key: (timing.compile_function(fns[key], args)[0], args, ndev)
        for key, (args, ndev) in programs_timed.items()},
-      iterations=_ITERS.value, rounds=min(_ROUNDS.value, _ITERS.value), warmup=2,
-      interleave=_INTERLEAVE.value)
+      iterations=_ITERS.value, warmup=2, **_TIMING.kwargs(_ITERS.value))
   for key, t in timings.items():
     row[f"t_{key}_us"] = statistics.median(t.times_us)
     row.setdefault("timings", {})[key] = dataclasses.asdict(t)
@@ -239,7 +233,7 @@ def table(rows) -> str:
 def check_flags() -> None:
   """UsageError for a flag value that would fail later in the run (flag_checks)."""
   flag_checks.shape_names("names", _NAMES.value)
-  flag_checks.positive_ints("rounds", [_ROUNDS.value])
+  _TIMING.check()
 
 
 def main(argv):

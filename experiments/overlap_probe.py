@@ -40,12 +40,7 @@ _VARIANTS = flags.DEFINE_list(
     "Config variants (config_variants.variant_config): v1, cN, pN, oN, tMxN, sK, f32/bf16, "
     "ring tokens, e.g. c4_bf16.")
 _ITERS = flags.DEFINE_integer("iterations", 40, "Timed iterations per variant.")
-_ROUNDS = flags.DEFINE_integer("rounds", 10, "Timing rounds: --iterations split over them, "
-                               "a shape's functions timed in turn within each.")
-_INTERLEAVE = flags.DEFINE_bool("interleave", True, "With CUPTI: within a round, the "
-                                "functions run call by call in turn in one CUPTI session "
-                                "(pallas_rs.bench.alternating); --nointerleave: each "
-                                "function's calls back to back.")
+_TIMING = flag_checks.TimingFlags(__name__, "a shape's functions")
 _COMM_ABLATIONS = flags.DEFINE_list(
     "comm_ablations", ["gemm", "gemm+stage_wait"],
     "Ablation sets (kernel.ABLATIONS joined by '+') also timed for comm-CTA variants; each "
@@ -68,7 +63,7 @@ def check_flags() -> None:
   flag_checks.shape_names("names", _NAMES.value)
   flag_checks.shape_names("proxy", [name + "_proxy8" for name in _PROXY.value])
   flag_checks.variant_names("variants", _VARIANTS.value)
-  flag_checks.positive_ints("rounds", [_ROUNDS.value])
+  _TIMING.check()
   flag_checks.subset("comm_ablations", [part for a in _COMM_ABLATIONS.value
                                         for part in a.split("+")], rank.ABLATIONS)
 
@@ -219,8 +214,8 @@ def main(argv):
       # on all alike: BUILD_NOTES, seventy-seventh session).
       t0 = time.time()
       timings = alternating.time_alternating(items, iterations=_ITERS.value,
-                                        rounds=min(_ROUNDS.value, _ITERS.value), num_devices=d,
-                                        on_error=errors, interleave=_INTERLEAVE.value)
+                                             num_devices=d, on_error=errors,
+                                             **_TIMING.kwargs(_ITERS.value))
       row["times_us"].update({key: t.times_us for key, t in timings.items()})
       print(label, f"{len(timings)} functions timed in {time.time() - t0:.1f}s", flush=True)
       # Bytes each GPU sends: its D - 1 peer chunks of partials.

@@ -221,13 +221,17 @@ def sync_call(args: Sequence[Any], num_devices: int):
   function of an interleaved cycle (its records dropped), it lines the devices up, so
   that a function's first collective does not wait out the skew that an independent
   function before it (XLA's GEMM alone) left between the devices."""
-  devices = sorted({d for a in jax.tree.leaves(args) if hasattr(a, "sharding")
-                    for d in a.sharding.device_set}, key=lambda d: d.id)
-  if len(devices) != num_devices:
-    return None
+  devices = tuple(sorted({d for a in jax.tree.leaves(args) if hasattr(a, "sharding")
+                          for d in a.sharding.device_set}, key=lambda d: d.id))
+  return _sync_program(devices) if len(devices) == num_devices else None
+
+
+@functools.cache
+def _sync_program(devices: tuple[Any, ...]):
+  """`sync_call`'s psum on `devices`, compiled once per process (not once per timed shape)."""
   mesh = jax.sharding.Mesh(np.array(devices), ("sync",))
   spec = jax.sharding.PartitionSpec("sync")
-  x = jax.device_put(jnp.zeros((num_devices,), jnp.float32),
+  x = jax.device_put(jnp.zeros((len(devices),), jnp.float32),
                      jax.sharding.NamedSharding(mesh, spec))
   psum = jax.shard_map(lambda v: jax.lax.psum(v, "sync"), mesh=mesh, in_specs=spec,
                        out_specs=spec)
