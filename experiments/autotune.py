@@ -29,9 +29,11 @@ against an f32-output reference (fused error <= 1.1x the XLA error, the seed
 rule). Only "exceeds available shared memory" ValueErrors and
 NotImplementedError are caught (recorded per config); anything else stops the
 run. The best correct config goes into a table entry, implementation "fused"
-only if its median beats XLA's (by --margin). In multi_gpu a challenger replaces the
-incumbent (the first candidate) only if it wins by --margin again after both are timed
---confirm_rounds more times, alternating, on their pooled times. Entries are merged into --table
+only if its median beats XLA's (by --margin). In multi_gpu the one pass screens: XLA, the
+incumbent (the first candidate) and the pass's pick are timed again together,
+--confirm_rounds rounds of --iterations calls, call by call in turn with CUPTI
+(`pallas_rs.bench.alternating`), and a challenger replaces the incumbent, and fused beats XLA,
+only on those times (by --margin). Entries are merged into --table
 (new replaces same key) after each shape, and the raw records go to --out.
 """
 from __future__ import annotations
@@ -86,9 +88,10 @@ flags.DEFINE_bool("loopback", True, "single_gpu: also time the loopback at the "
 flags.DEFINE_float("margin", 0.0, "Choose fused only if its median < (1 - "
                    "margin) * the XLA median; multi_gpu: and a config over the first "
                    "candidate (the incumbent) only if it beats it by the same margin.")
-flags.DEFINE_integer("confirm_rounds", 2, "multi_gpu: where one pass picks a challenger over "
-                     "the incumbent, time the two again this many times each, alternating, "
-                     "and apply --margin to all their times pooled (0: one pass decides).")
+flags.DEFINE_integer("confirm_rounds", 2, "multi_gpu: after one pass over the candidates, "
+                     "time XLA, the incumbent and the pass's pick again in this many rounds "
+                     "of --iterations calls each, call by call in turn (CUPTI), and decide "
+                     "with --margin on those times alone (0: one pass decides).")
 flags.DEFINE_float("max_error_ratio", 1.1, "Fused max rel error allowed, as a "
                    "multiple of the XLA path's (plus 1e-6).")
 flags.DEFINE_string("table", "pallas_rs/tuning/data/tuning_table.json", "Tuning table "
@@ -143,7 +146,7 @@ def time_candidate(label: str, fn, args, ref, *, num_devices: int,
   """Times and checks one function; SMEM/NotImplemented are recorded, not raised, and with
   `lenient` any failure to build or run (configs of jax's all-gather matmul, which CI cannot
   lower: it asks the device for its SM count). `keep` receives the compiled executable of a
-  function that ran, by the record's id (for `_retimer`)."""
+  function that ran, by the record's id (for `_group_timer`)."""
   from pallas_rs import reference  # pylint: disable=g-import-not-at-top
   from pallas_rs.bench import timing  # pylint: disable=g-import-not-at-top
   from pallas_rs import tuning  # pylint: disable=g-import-not-at-top
@@ -202,39 +205,69 @@ def _best(recs, margin: float = 0.0):
   return best if best["median_us"] < (1 - margin) * ok[0]["median_us"] else ok[0]
 
 
-def _confirmed_best(recs, retime, margin: float, rounds: int):
-  """`_best`, checked where it picks a challenger: the incumbent and that challenger are timed
-  `rounds` more times each, alternating (`retime(rec)` gives one pass's times), and the margin
-  rule is applied again to each one's pooled times ("times_us"; the first pass stays in
-  "pass_times_us"). One pass of 20 iterations per candidate, timed one after another, did not
-  separate candidates within ~7% (seventy-fifth session, BUILD_NOTES): drift between passes
-  looks like a win."""
+def _decide(xla, recs, time_group, margin: float, rounds: int, fallbacks: bool = True):
+  """(best, fallback) of the candidates `recs` (the first correct one the incumbent) against
+  XLA's record `xla`. `_best` on the one pass screens; then, unless `rounds` is 0 or nothing
+  is correct, XLA, the incumbent, the pass's pick and (with `fallbacks`: pallas_rs configs) a
+  pulling pick's fallback (`_fallback`) are timed again together in `rounds` rounds, call by
+  call in turn where the timer can (`time_group(records)` -> their `Timing`s), and both the
+  margin rule and the entry's fused vs XLA comparison use those times alone ("times_us"; the
+  pass's stay in "pass_times_us").
+
+  One pass of 20 iterations per candidate, timed one after another, did not separate candidates
+  within ~7% (seventy-fifth session, BUILD_NOTES), and a GPU's slow phases last 0.1-0.4 s
+  (seventy-seventh): times from different passes compare phases, so the decision pools none."""
+  fallback = _fallback if fallbacks else lambda *_: None
   best = _best(recs, margin)
+  if rounds <= 0 or best is None:
+    return best, fallback(recs, best)
   ok = [r for r in recs if r.get("status") == "ok"]
-  if rounds <= 0 or best is None or best is ok[0]:
-    return best
-  pair = (ok[0], best)
-  for r in pair:
-    r["pass_times_us"] = list(r["times_us"])
-  for _ in range(rounds):
-    for r in pair:
-      r["times_us"] = r["times_us"] + [float(v) for v in retime(r)]
-  for role, r in zip(("incumbent", "challenger"), pair):
-    r["median_us"] = statistics.median(r["times_us"])
-    logging.info("  confirm %-10s %10.1f us (median of %d, first pass %.1f)", role,
-                 r["median_us"], len(r["times_us"]), statistics.median(r["pass_times_us"]))
-  return _best(list(pair), margin)
+  pair = [ok[0]] + ([best] if best is not ok[0] else [])
+  spare = fallback(recs, best)
+  group = [xla] + pair + ([spare] if spare and all(spare is not r for r in pair) else [])
+  for r, t in zip(group, time_group(group)):
+    r["pass_times_us"] = r["times_us"]
+    r.update(times_us=[float(v) for v in t.times_us], median_us=t.median_us,
+             timing_rule=t.rule)
+    logging.info("  decide %-10s %-18s %10.1f us (median of %d; pass %.1f)", r["label"],
+                 _short_record(r), r["median_us"], len(r["times_us"]),
+                 statistics.median(r["pass_times_us"]))
+  best = _best(pair, margin)
+  return best, fallback(group[1:], best)
 
 
-def _retimer(compiled: dict[int, Any], args, num_devices: int):
-  """`retime` for `_confirmed_best`: one more pass of the record's executable (`compiled`, by
-  the record's id: `time_candidate`'s `keep`) on `args`, its times."""
-  from pallas_rs.bench import timing  # pylint: disable=g-import-not-at-top
+def _group_timer(compiled: dict[int, Any], args, num_devices: int, rounds: int):
+  """`time_group` for `_decide`: the records' executables (`compiled`, by the record's id:
+  `time_candidate`'s `keep`) on `args`, `rounds` x --iterations calls each in `rounds` rounds,
+  call by call in turn with CUPTI (`alternating.time_alternating`)."""
+  from pallas_rs.bench import alternating  # pylint: disable=g-import-not-at-top
 
-  def retime(rec):
-    return timing.time_function(compiled[id(rec)], args, iterations=FLAGS.iterations,
-                                warmup=FLAGS.warmup, num_devices=num_devices).times_us
-  return retime
+  def time_group(records):
+    got = alternating.time_alternating(
+        {i: (compiled[id(r)], args) for i, r in enumerate(records)},
+        iterations=rounds * FLAGS.iterations, rounds=rounds, warmup=FLAGS.warmup,
+        num_devices=num_devices)
+    return [got[i] for i in range(len(records))]
+  return time_group
+
+
+def _short_record(rec) -> str:
+  """`_short` of a record's config; "-" for XLA, the JSON for other kernels' configs."""
+  from pallas_rs import tuning  # pylint: disable=g-import-not-at-top
+  if not rec.get("config"):
+    return "-"
+  try:
+    return _short(tuning.config_from_json(rec["config"]))
+  except (KeyError, TypeError, ValueError):
+    return str(rec["config"])
+
+
+def _decided_on() -> str:
+  """How an entry's times were taken, for its "measured_with"."""
+  if FLAGS.confirm_rounds <= 0:
+    return f"one pass of {FLAGS.iterations} iterations each decides"
+  return (f"decided on {FLAGS.confirm_rounds} x {FLAGS.iterations} iterations of XLA, the "
+          "incumbent and the pass's pick timed again in turn (call by call with CUPTI)")
 
 
 def _reads_peers(cfg_json) -> bool:
@@ -245,15 +278,12 @@ def _reads_peers(cfg_json) -> bool:
 
 
 def _fallback(recs, best):
-  """(config JSON, times) of the fastest correct candidate that reads no peer, where `best`
-  does (remote TMA loads: jax >= 0.11.2 on devices), for the table entry's "fallback"."""
+  """The fastest correct candidate record that reads no peer, where `best` does (remote TMA
+  loads: jax >= 0.11.2 on devices): the table entry's "fallback"."""
   if not best or not _reads_peers(best.get("config")):
     return None
   ok = [r for r in recs if r.get("status") == "ok" and not _reads_peers(r.get("config"))]
-  if not ok:
-    return None
-  r = min(ok, key=lambda r: r["median_us"])
-  return r["config"], r["times_us"]
+  return min(ok, key=lambda r: r["median_us"]) if ok else None
 
 
 def _gate_entry(*, gpu_kind, d, m, n, k_shard, best, xla, env, mode,
@@ -263,7 +293,8 @@ def _gate_entry(*, gpu_kind, d, m, n, k_shard, best, xla, env, mode,
       op=op, gpu_kind=gpu_kind, num_devices=d, m=m, n=n, k_shard=k_shard,
       fused_us=best["times_us"] if best else [], xla_us=xla["times_us"] if xla else [],
       config_json=best["config"] if best else None, margin=FLAGS.margin, env=env,
-      measured_with=measured_with, mode=mode, fallback=fallback)
+      measured_with=measured_with, mode=mode,
+      fallback=(fallback["config"], fallback["times_us"]) if fallback else None)
 
 
 # ---------------------------------------------------------------------------
@@ -407,10 +438,10 @@ def tune_multi_gpu(case, env) -> tuple[list[dict], list[dict]]:
       jnp.dot(a, b, preferred_element_type=jnp.float32, precision="highest"),
       AXIS, scatter_dimension=0, tiled=True))(x, w)
   seq = smap(functools.partial(reference.matmul_reduce_scatter, axis_name=AXIS))
-  records = [time_candidate("xla_seq", seq, (x, w), ref, num_devices=d,
-                            xla_err=None)]
-  xla = _baseline(records[0])
   compiled = {}
+  records = [time_candidate("xla_seq", seq, (x, w), ref, num_devices=d,
+                            xla_err=None, keep=compiled)]
+  xla = _baseline(records[0])
   for cfg in multi_gpu_candidates(m=m, n=n, k_shard=k_shard, d=d):
     fn = smap(functools.partial(fused.fused_matmul_reduce_scatter, axis_name=AXIS,
                                 num_devices=d, config=cfg))
@@ -419,15 +450,15 @@ def tune_multi_gpu(case, env) -> tuple[list[dict], list[dict]]:
   for r in records:
     r.update(case=case.name, num_devices=d, m=m, n=n, k_shard=k_shard,
              mode="multi_gpu")
-  best = _confirmed_best(records[1:], _retimer(compiled, (x, w), d), FLAGS.margin,
-                         FLAGS.confirm_rounds)
+  best, fallback = _decide(xla, records[1:], _group_timer(compiled, (x, w), d,
+                                                          FLAGS.confirm_rounds),
+                           FLAGS.margin, FLAGS.confirm_rounds)
   entry = _gate_entry(
       gpu_kind=env["device_kind"], d=d, m=m, n=n, k_shard=k_shard,
-      best=best, xla=xla, env=env, mode="multi_gpu", fallback=_fallback(records[1:], best),
+      best=best, xla=xla, env=env, mode="multi_gpu", fallback=fallback,
       measured_with=(f"experiments/autotune.py --mode=multi_gpu: fused under "
                      f"shard_map vs jnp.dot + psum_scatter (T_seq) on {d} GPUs, "
-                     f"{xla['timer']} step time (max over devices), "
-                     f"{FLAGS.iterations} iterations, {FLAGS.confirm_rounds} confirm rounds"))
+                     f"{xla['timer']} step time (max over devices), {_decided_on()}"))
   return records, [entry]
 
 
@@ -526,9 +557,9 @@ def tune_ag_multi_gpu(case, env) -> tuple[list[dict], list[dict]]:
 
   xla_fn = smap(functools.partial(reference.all_gather_matmul, axis_name=AXIS))
   ref = xla_fn(lhs.astype(jnp.float32), rhs.astype(jnp.float32))
-  records = [_baseline(time_candidate("ag_xla", xla_fn, (lhs, rhs), ref, num_devices=d,
-                                      xla_err=None))]
   compiled = {}
+  records = [_baseline(time_candidate("ag_xla", xla_fn, (lhs, rhs), ref, num_devices=d,
+                                      xla_err=None, keep=compiled))]
   for cfg in cfgs:  # The kernel's default first: the incumbent of the margin rule.
     fused_fn = smap(functools.partial(ag_matmul.fused_all_gather_matmul, axis_name=AXIS,
                                       config=cfg, out_dtype=jnp.bfloat16))
@@ -539,8 +570,9 @@ def tune_ag_multi_gpu(case, env) -> tuple[list[dict], list[dict]]:
   for r in records:
     r.update(case=case.name, num_devices=d, m=m, n=n, k_shard=k, mode="multi_gpu",
              op="ag_matmul")
-  best = _confirmed_best(records[1:], _retimer(compiled, (lhs, rhs), d), FLAGS.margin,
-                         FLAGS.confirm_rounds)
+  best, _ = _decide(records[0], records[1:], _group_timer(compiled, (lhs, rhs), d,
+                                                         FLAGS.confirm_rounds),
+                    FLAGS.margin, FLAGS.confirm_rounds, fallbacks=False)
   entry = _gate_entry(
       gpu_kind=env["device_kind"], d=d, m=m, n=n, k_shard=k,
       best=best, xla=records[0], env=env, mode="multi_gpu",
@@ -548,8 +580,7 @@ def tune_ag_multi_gpu(case, env) -> tuple[list[dict], list[dict]]:
       measured_with=(f"experiments/autotune.py --mode=multi_gpu --op=ag_matmul: "
                      f"collective_matmul_mgpu ({len(cfgs)} configs: "
                      "candidates.ag_tile_variants) vs all_gather + jnp.dot on "
-                     f"{d} GPUs, {records[0]['timer']} step time, {FLAGS.iterations} iterations, "
-                     f"{FLAGS.confirm_rounds} confirm rounds"))
+                     f"{d} GPUs, {records[0]['timer']} step time, {_decided_on()}"))
   return records, [entry]
 
 

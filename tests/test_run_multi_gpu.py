@@ -114,6 +114,8 @@ def test_step_calls_parse_and_pass_their_checks(calls, mode):
               f"{mode}: {script} --{name}={value} outside $OUT")
 
 
+# The slow layer: a pytest collection per selection (~30 s in all on 2 CPU cores).
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", PYTEST_MODES)
 def test_step_pytest_selections_select_tests(calls, mode):
   selections = [c[c.index("pytest") + 1:] for c in calls[mode][0] if "pytest" in c]

@@ -184,9 +184,12 @@ def _mlp_loss(h, w1, w2, *, op, mesh, check_vma):
                        out_specs=P(), check_vma=check_vma)(h, w1, w2)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("check_vma", [True, False])
-def test_mlp_gradient_matches_xla_only(dtype, check_vma):
+# Two of the four (dtype, check_vma) pairs in the slow layer: each value is in a fast pair.
+@pytest.mark.parametrize("check_vma,dtype", [
+    (True, "float32"), (False, "bfloat16"),
+    pytest.param(True, "bfloat16", marks=pytest.mark.slow),
+    pytest.param(False, "float32", marks=pytest.mark.slow)])
+def test_mlp_gradient_matches_xla_only(check_vma, dtype):
   num_devices, m, d_model, d_ff = 4, 16, 32, 64
   mesh = helpers.make_mesh(num_devices)
   np_dt = helpers.np_dtype(dtype)
