@@ -239,6 +239,11 @@ def search_space(*, m: int, n: int, k_shard: int, num_devices: int,
   # Fixed per D by the error rule (default_numerics), not tuned.
   partial_dtype, owner_sum = config_lib.NUMERICS_MODES[defaults.default_numerics(num_devices)]
   tma_add = config_lib.tma_add_runs(num_devices, owner_sum)  # As default_config.
+  # As default_config, like the walk: a property of the CTA tile alone.
+  interleave = {(tm, tn, wg): Config(tile_m=tm, tile_n=tn, wg_dimension=wg,
+                                     epi_tile_n=config_lib.epi_tile_n_for(tn, partial_dtype)
+                                     ).interleave_pays(m, num_devices)
+                for tm, tn, wg in _SEARCH_TILES}
   for (tile_m, tile_n, wg), steps, recv_stages, minor, width, eager, comm, out_slots in (
       itertools.product(_SEARCH_TILES, (2, 3, 4, 5), (1, 2, 4),
                         (_N, _M), (1, 4, 8), (0, 1),
@@ -255,9 +260,7 @@ def search_space(*, m: int, n: int, k_shard: int, num_devices: int,
                  recv_stages=recv_stages, grid_minor_dim=minor, grid_tile_width=width,
                  num_sms=num_sms, eager_signal_steps=eager, comm_ctas=comm,
                  out_slots=out_slots, partial_dtype=partial_dtype, owner_sum=owner_sum,
-                 tma_add=tma_add)
-    # As default_config, like the walk.
-    cfg = dataclasses.replace(cfg, interleave_steps=cfg.interleave_pays(m, num_devices))
+                 tma_add=tma_add, interleave_steps=interleave[tile_m, tile_n, wg])
     try:
       cfg.check_shape(m=m, n=n, k_shard=k_shard, num_devices=num_devices)
     except NotImplementedError:
