@@ -21,7 +21,10 @@ mod.check = lambda d, m, n, k, seed, config=None: dict(d=d, m=m, n=n, k=k, ok=d 
 """
 
 
-@pytest.mark.parametrize("factor,expect_ok", [(1, True), (1.05, False)])
+# Each script run ~7-9 s on 2 CPU cores: the passing runs in the slow layer, the failing ones
+# (the checks bite and the exit code says so) in the fast layer.
+@pytest.mark.parametrize("factor,expect_ok", [pytest.param(1, True, marks=pytest.mark.slow),
+                                              (1.05, False)])
 def test_stress_exit_code_follows_the_checks(tmp_path, factor, expect_ok):
   out = tmp_path / "kc.json"
   proc = helpers.run_script_with_stand_ins(
@@ -33,7 +36,8 @@ def test_stress_exit_code_follows_the_checks(tmp_path, factor, expect_ok):
   assert f"stress: {0 if expect_ok else 2} of 2 failed" in proc.stdout, proc.stdout[-2000:]
 
 
-@pytest.mark.parametrize("bad_d,expect_ok", [(0, True), (4, False)])
+@pytest.mark.parametrize("bad_d,expect_ok", [pytest.param(0, True, marks=pytest.mark.slow),
+                                              (4, False)])
 def test_correct_exit_code_follows_the_checks(tmp_path, bad_d, expect_ok):
   out = tmp_path / "kc.json"
   proc = helpers.run_script_with_stand_ins(
