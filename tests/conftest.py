@@ -9,7 +9,7 @@ Tests marked `slow` (the CUDA lowering of every seed shape at D = 8 and of every
 config, the experiment scripts' end-to-end runs, the larger-D numerics sweeps, the pytest
 selections of experiments/run_multi_gpu.sh, and the further cases of a path that a fast test
 already checks) are deselected unless `--runslow` or PALLAS_RS_RUNSLOW=1 (or `-m` names the
-marker): `python -m pytest -q tests -n 2` stays within 2.5-5 minutes on 2 CPU cores (README);
+marker): `python -m pytest -q tests -n 2` takes 2.5 to ~5 minutes on 2 CPU cores (README);
 `python -m pytest -q tests -m slow -n 2` runs the slow layer alone, `--runslow` everything; CI
 (.ci/run) runs both layers (each on two processes).
 
