@@ -41,7 +41,6 @@ from __future__ import annotations
 import functools
 import math
 from pathlib import Path
-import statistics
 import sys
 import time
 from typing import Any, Sequence
@@ -205,33 +204,32 @@ def _best(recs, margin: float = 0.0):
   return best if best["median_us"] < (1 - margin) * ok[0]["median_us"] else ok[0]
 
 
-def _decide(xla, recs, time_group, margin: float, rounds: int, fallbacks: bool = True):
+def _decide(xla, recs, time_group, margin: float, fallbacks: bool = True):
   """(best, fallback) of the candidates `recs` (the first correct one the incumbent) against
-  XLA's record `xla`. `_best` on the one pass screens; then, unless `rounds` is 0 or nothing
-  is correct, XLA, the incumbent, the pass's pick and (with `fallbacks`: pallas_rs configs) a
-  pulling pick's fallback (`_fallback`) are timed again together in `rounds` rounds, call by
-  call in turn where the timer can (`time_group(records)` -> their `Timing`s), and both the
-  margin rule and the entry's fused vs XLA comparison use those times alone ("times_us"; the
-  pass's stay in "pass_times_us").
+  XLA's record `xla`. `_best` on the one pass screens; then, unless `time_group` is None (one
+  pass decides) or nothing is correct, XLA, the incumbent, the pass's pick and (with
+  `fallbacks`: pallas_rs configs) a pulling pick's fallback (`_fallback`) are timed again
+  together (`time_group(records)` -> their `Timing`s: `_group_timer`), and both the margin rule
+  and the entry's fused vs XLA comparison use those times alone ("times_us"; the pass's stay in
+  "pass_times_us").
 
   One pass of 20 iterations per candidate, timed one after another, did not separate candidates
   within ~7% (seventy-fifth session, BUILD_NOTES), and a GPU's slow phases last 0.1-0.4 s
   (seventy-seventh): times from different passes compare phases, so the decision pools none."""
   fallback = _fallback if fallbacks else lambda *_: None
   best = _best(recs, margin)
-  if rounds <= 0 or best is None:
+  if time_group is None or best is None:
     return best, fallback(recs, best)
   ok = [r for r in recs if r.get("status") == "ok"]
   pair = [ok[0]] + ([best] if best is not ok[0] else [])
   spare = fallback(recs, best)
   group = [xla] + pair + ([spare] if spare and all(spare is not r for r in pair) else [])
   for r, t in zip(group, time_group(group)):
+    logging.info("  decide %-10s %-18s %10.1f us (median of %d; pass %.1f)", r["label"],
+                 _short_record(r), t.median_us, len(t.times_us), r["median_us"])
     r["pass_times_us"] = r["times_us"]
     r.update(times_us=[float(v) for v in t.times_us], median_us=t.median_us,
              timing_rule=t.rule)
-    logging.info("  decide %-10s %-18s %10.1f us (median of %d; pass %.1f)", r["label"],
-                 _short_record(r), r["median_us"], len(r["times_us"]),
-                 statistics.median(r["pass_times_us"]))
   best = _best(pair, margin)
   return best, fallback(group[1:], best)
 
@@ -239,8 +237,11 @@ def _decide(xla, recs, time_group, margin: float, rounds: int, fallbacks: bool =
 def _group_timer(compiled: dict[int, Any], args, num_devices: int, rounds: int):
   """`time_group` for `_decide`: the records' executables (`compiled`, by the record's id:
   `time_candidate`'s `keep`) on `args`, `rounds` x --iterations calls each in `rounds` rounds,
-  call by call in turn with CUPTI (`alternating.time_alternating`)."""
+  call by call in turn with CUPTI (`alternating.time_alternating`); None for `rounds` <= 0
+  (one pass decides)."""
   from pallas_rs.bench import alternating  # pylint: disable=g-import-not-at-top
+  if rounds <= 0:
+    return None
 
   def time_group(records):
     got = alternating.time_alternating(
@@ -452,7 +453,7 @@ def tune_multi_gpu(case, env) -> tuple[list[dict], list[dict]]:
              mode="multi_gpu")
   best, fallback = _decide(xla, records[1:], _group_timer(compiled, (x, w), d,
                                                           FLAGS.confirm_rounds),
-                           FLAGS.margin, FLAGS.confirm_rounds)
+                           FLAGS.margin)
   entry = _gate_entry(
       gpu_kind=env["device_kind"], d=d, m=m, n=n, k_shard=k_shard,
       best=best, xla=xla, env=env, mode="multi_gpu", fallback=fallback,
@@ -572,7 +573,7 @@ def tune_ag_multi_gpu(case, env) -> tuple[list[dict], list[dict]]:
              op="ag_matmul")
   best, _ = _decide(records[0], records[1:], _group_timer(compiled, (lhs, rhs), d,
                                                          FLAGS.confirm_rounds),
-                    FLAGS.margin, FLAGS.confirm_rounds, fallbacks=False)
+                    FLAGS.margin, fallbacks=False)
   entry = _gate_entry(
       gpu_kind=env["device_kind"], d=d, m=m, n=n, k_shard=k,
       best=best, xla=records[0], env=env, mode="multi_gpu",

@@ -792,7 +792,7 @@ def test_autotune_decides_on_times_taken_together():
             rec("lucky", [93.0] * 3), rec("slow", [120.0] * 3)]
     time_group, groups = timer({"xla": [104.0] * 4, "incumbent": [100.0] * 4,
                                 "lucky": [101.0] * 4})
-    best, fallback = decide(xla, recs, time_group, 0.02, 2)
+    best, fallback = decide(xla, recs, time_group, 0.02)
     assert best["label"] == "incumbent" and fallback is None
     assert groups == [["xla", "incumbent", "lucky"]]  # XLA first, once, all together
     assert recs[2]["pass_times_us"] == [93.0] * 3 and recs[2]["times_us"] == [101.0] * 4
@@ -801,16 +801,17 @@ def test_autotune_decides_on_times_taken_together():
     # A real win holds; the incumbent winning the pass is timed again beside XLA alone.
     recs = [rec("incumbent", [100.0] * 3), rec("fast", [90.0] * 3)]
     time_group, groups = timer({"xla": [95.0], "incumbent": [100.0], "fast": [91.0]})
-    assert decide(rec("xla", [95.0]), recs, time_group, 0.02, 2)[0]["label"] == "fast"
+    assert decide(rec("xla", [95.0]), recs, time_group, 0.02)[0]["label"] == "fast"
     recs = [rec("incumbent", [100.0] * 3), rec("near", [99.0] * 3)]
     time_group, groups = timer({"xla": [95.0], "incumbent": [97.0]})
-    assert decide(rec("xla", [95.0]), recs, time_group, 0.02, 2)[0]["label"] == "incumbent"
+    assert decide(rec("xla", [95.0]), recs, time_group, 0.02)[0]["label"] == "incumbent"
     assert groups == [["xla", "incumbent"]] and recs[0]["times_us"] == [97.0]
-    # One pass alone (rounds 0), or nothing correct, times nothing again.
+    # One pass alone (no group timer: --confirm_rounds 0), or nothing correct, times nothing
+    # again.
     time_group, groups = timer({})
     recs = [rec("incumbent", [100.0] * 3), rec("lucky", [93.0] * 3)]
-    assert decide(xla, recs, time_group, 0.02, 0)[0]["label"] == "lucky"
-    assert decide(xla, [rec("x", [1.0], "smem")], time_group, 0.02, 2) == (None, None)
+    assert decide(xla, recs, None, 0.02)[0]["label"] == "lucky"
+    assert decide(xla, [rec("x", [1.0], "smem")], time_group, 0.02) == (None, None)
     assert not groups
   finally:
     helpers.forget_scripts("autotune")
@@ -835,12 +836,12 @@ def test_autotune_times_a_pulling_winners_fallback_with_it(monkeypatch):
     recs = [rec("incumbent", 100.0, "push"), rec("push8", 95.0, "push"),
             rec("pull4", 80.0, "pull")]
     best, fallback = autotune._decide(  # pylint: disable=protected-access
-        rec("xla", 120.0, None), recs, time_group, 0.02, 2)
+        rec("xla", 120.0, None), recs, time_group, 0.02)
     assert best["label"] == "pull4" and fallback["label"] == "push8"
     assert fallback["times_us"] == [96.0] and fallback["pass_times_us"] == [95.0]
     recs = [rec("incumbent", 100.0, "push"), rec("pull4", 80.0, "pull")]
     best, fallback = autotune._decide(  # pylint: disable=protected-access
-        rec("xla", 120.0, None), recs, time_group, 0.02, 2, fallbacks=False)
+        rec("xla", 120.0, None), recs, time_group, 0.02, fallbacks=False)
     assert best["label"] == "pull4" and fallback is None
   finally:
     helpers.forget_scripts("autotune")
@@ -862,6 +863,7 @@ def test_autotune_times_a_group_in_rounds_on_its_executables():
       got = autotune._group_timer(compiled, args, 1, 2)(recs)  # pylint: disable=protected-access
       assert len(got) == 2 and all(len(t.times_us) == 6 for t in got)
       assert all("2 rounds" in t.rule for t in got)
+      assert autotune._group_timer(compiled, args, 1, 0) is None  # pylint: disable=protected-access
     finally:
       flags.FLAGS.unparse_flags()
 
