@@ -29,7 +29,7 @@ against an f32-output reference (fused error <= 1.1x the XLA error, the seed
 rule). Only "exceeds available shared memory" ValueErrors and
 NotImplementedError are caught (recorded per config); anything else stops the
 run. The best correct config goes into a table entry, implementation "fused"
-only if its median beats XLA's (by --margin). In multi_gpu the one pass screens: XLA, the
+only if its median beats XLA's (by --margin). The one pass screens: XLA, the
 incumbent (the first candidate) and the pass's pick are timed again together,
 --confirm_rounds rounds of --iterations calls, call by call in turn with CUPTI
 (`pallas_rs.bench.alternating`), and a challenger replaces the incumbent, and fused beats XLA,
@@ -85,9 +85,9 @@ flags.DEFINE_enum("candidates", "search", ["search", "comm", "tiles", "owner", "
 flags.DEFINE_bool("loopback", True, "single_gpu: also time the loopback at the "
                   "case's D with the best 2 configs (informational entries).")
 flags.DEFINE_float("margin", 0.0, "Choose fused only if its median < (1 - "
-                   "margin) * the XLA median; multi_gpu: and a config over the first "
+                   "margin) * the XLA median, and a config over the first "
                    "candidate (the incumbent) only if it beats it by the same margin.")
-flags.DEFINE_integer("confirm_rounds", 2, "multi_gpu: after one pass over the candidates, "
+flags.DEFINE_integer("confirm_rounds", 2, "After one pass over the candidates, "
                      "time XLA, the incumbent and the pass's pick again in this many rounds "
                      "of --iterations calls each, call by call in turn (CUPTI), and decide "
                      "with --margin on those times alone (0: one pass decides).")
@@ -317,24 +317,27 @@ def tune_single_gpu(case, env) -> tuple[list[dict], list[dict]]:
                                      precision="highest"))(x, w)
   xla_fn = jax.jit(lambda a, b: jnp.dot(
       a, b, preferred_element_type=jnp.float32).astype(a.dtype))
+  compiled = {}
   records = [time_candidate("xla_dot", xla_fn, (x, w), ref, num_devices=1,
-                            xla_err=None)]
+                            xla_err=None, keep=compiled)]
   xla = _baseline(records[0])
   xla_err = xla["max_rel_error"]
   for cfg in candidates.candidate_configs(m=m, n=n, k_shard=k_shard, num_devices=1,
                                       max_configs=FLAGS.max_configs):
     fn = jax.jit(functools.partial(fused.local_matmul, config=cfg))
     records.append(time_candidate("local_fused", fn, (x, w), ref, num_devices=1,
-                                  xla_err=xla_err, cfg=cfg))
+                                  xla_err=xla_err, cfg=cfg, keep=compiled))
   del ref
   fused_recs = records[1:]
-  best = _best(fused_recs)
+  best, _ = _decide(xla, fused_recs, _group_timer(compiled, (x, w), 1, FLAGS.confirm_rounds),
+                    FLAGS.margin, fallbacks=False)
+  del compiled
   entries = [_gate_entry(
       gpu_kind=gpu_kind, d=1, m=m, n=n, k_shard=k_shard, best=best, xla=xla,
       env=env, mode="single_gpu",
       measured_with=(f"experiments/autotune.py --mode=single_gpu: "
                      f"fused.local_matmul vs jnp.dot, {xla['timer']}, "
-                     f"{FLAGS.iterations} iterations, {len(fused_recs)} configs"))]
+                     f"{len(fused_recs)} configs, {_decided_on()}"))]
   for r in records:
     r.update(case=case.name, num_devices=1, m=m, n=n, k_shard=k_shard,
              mode="single_gpu")

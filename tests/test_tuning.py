@@ -868,6 +868,39 @@ def test_autotune_times_a_group_in_rounds_on_its_executables():
       flags.FLAGS.unparse_flags()
 
 
+def test_autotune_single_gpu_decides_like_multi_gpu(monkeypatch):
+  # --mode=single_gpu (D = 1 entries) takes the same decision step: the pass screens, XLA's dot
+  # and the incumbent (and the pass's pick) are timed again together on their executables, and
+  # the entry's times are those. The kernel is replaced by XLA's dot here (no GPU).
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  import helpers  # pylint: disable=g-import-not-at-top
+  from pallas_rs.bench import shapes  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(fused, "local_matmul", lambda x, w, config=None: jnp.dot(
+      x, w, preferred_element_type=jnp.float32).astype(x.dtype))
+  with helpers.script("autotune") as autotune:
+    try:
+      flags.FLAGS.unparse_flags()
+      flags.FLAGS(["autotune.py", "--iterations=3", "--warmup=0", "--max_configs=2",
+                   "--noloopback", "--confirm_rounds=2"])
+      case = shapes.custom_case(128, 256, 256, 1)
+      records, entries = autotune.tune_single_gpu(case, {"device_kind": H200})
+      xla, fused_recs = records[0], records[1:]
+      assert xla["label"] == "xla_dot" and len(fused_recs) == 2
+      assert all(r["status"] == "ok" for r in records)
+      for r in (xla, fused_recs[0]):  # retimed: 2 rounds x 3 calls, the pass's 3 kept
+        assert len(r["times_us"]) == 6 and len(r["pass_times_us"]) == 3
+        assert "2 rounds" in r["timing_rule"]
+      (entry,) = entries
+      assert entry["times_us"]["xla"] == xla["times_us"]
+      assert "decided on 2 x 3 iterations" in entry["measured_with"]
+      flags.FLAGS.confirm_rounds = 0
+      records, entries = autotune.tune_single_gpu(case, {"device_kind": H200})
+      assert all("pass_times_us" not in r for r in records)
+      assert "one pass of 3 iterations each decides" in entries[0]["measured_with"]
+    finally:
+      flags.FLAGS.unparse_flags()
+
+
 def test_autotune_stops_on_a_baseline_it_cannot_judge_against():
   # Every candidate is judged against XLA's record (its error) and its entry compares their
   # times: a baseline that did not run or has no finite error stops the case with its reason
