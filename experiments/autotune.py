@@ -210,8 +210,8 @@ def _decide(xla, recs, time_group, margin: float, fallbacks: bool = True):
   pass decides) or nothing is correct, XLA, the incumbent, the pass's pick and (with
   `fallbacks`: pallas_rs configs) a pulling pick's fallback (`_fallback`) are timed again
   together (`time_group(records)` -> their `Timing`s: `_group_timer`), and both the margin rule
-  and the entry's fused vs XLA comparison use those times alone ("times_us"; the pass's stay in
-  "pass_times_us").
+  and the entry's fused vs XLA comparison use those times alone ("times_us", "median_us"; the
+  pass's stay in "pass_times_us", "pass_median_us").
 
   One pass of 20 iterations per candidate, timed one after another, did not separate candidates
   within ~7% (seventy-fifth session, BUILD_NOTES), and a GPU's slow phases last 0.1-0.4 s
@@ -227,7 +227,7 @@ def _decide(xla, recs, time_group, margin: float, fallbacks: bool = True):
   for r, t in zip(group, time_group(group)):
     logging.info("  decide %-10s %-18s %10.1f us (median of %d; pass %.1f)", r["label"],
                  _short_record(r), t.median_us, len(t.times_us), r["median_us"])
-    r["pass_times_us"] = r["times_us"]
+    r.update(pass_times_us=r["times_us"], pass_median_us=r["median_us"])
     r.update(times_us=[float(v) for v in t.times_us], median_us=t.median_us,
              timing_rule=t.rule)
   best = _best(pair, margin)
@@ -343,13 +343,19 @@ def tune_single_gpu(case, env) -> tuple[list[dict], list[dict]]:
              mode="single_gpu")
   del x, w
   if FLAGS.loopback:
-    ranked = sorted((r for r in fused_recs if r.get("status") == "ok"),
-                    key=lambda r: r["median_us"])[:2]
-    lb_recs, lb_entry = tune_loopback(case, ranked, env)
+    lb_recs, lb_entry = tune_loopback(case, _loopback_picks(fused_recs), env)
     records += lb_recs
     if lb_entry:
       entries.append(lb_entry)
   return records, entries
+
+
+def _loopback_picks(recs, count: int = 2) -> list[dict]:
+  """The `count` fastest correct candidate records of the one pass, for the loopback: ranked
+  on the pass's medians, the only times every candidate has, taken alike (`_decide` gives the
+  records it times again new ones)."""
+  ok = [r for r in recs if r.get("status") == "ok"]
+  return sorted(ok, key=lambda r: r.get("pass_median_us", r["median_us"]))[:count]
 
 
 def tune_loopback(case, ranked, env):

@@ -797,6 +797,11 @@ def test_autotune_decides_on_times_taken_together():
     assert groups == [["xla", "incumbent", "lucky"]]  # XLA first, once, all together
     assert recs[2]["pass_times_us"] == [93.0] * 3 and recs[2]["times_us"] == [101.0] * 4
     assert recs[2]["median_us"] == 101.0 and recs[2]["timing_rule"] == "rule lucky"
+    assert recs[2]["pass_median_us"] == 93.0 and "pass_median_us" not in recs[3]
+    # The loopback's picks rank on the pass: "lucky" (93 in the pass, 101 timed again) first,
+    # the incumbent (100 both times) second; never a broken one.
+    picks = autotune._loopback_picks(recs)  # pylint: disable=protected-access
+    assert [r["label"] for r in picks] == ["lucky", "incumbent"]
     assert xla["times_us"] == [104.0] * 4 and "pass_times_us" not in recs[3]
     # A real win holds; the incumbent winning the pass is timed again beside XLA alone.
     recs = [rec("incumbent", [100.0] * 3), rec("fast", [90.0] * 3)]
