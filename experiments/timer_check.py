@@ -15,7 +15,9 @@ over the D GPUs, the unfused path), --repeats times per method of --methods
                several GPUs a scalar psum, not counted, before each call).
 Per repeat: median(B) / median(A), A's median, and (interleaved) the median of the
 per-iteration ratios B_i / A_i. Then --trace_calls calls of A alone, each call's time kept:
-the GPU's slow phases, if any, over a few seconds. JSON under --out; a table last.
+the GPU's slow phases, if any, over a few seconds (in CUPTI sessions of at most
+--trace_session_calls calls, to tell them from the cost of the outputs a session holds).
+JSON under --out; a table last.
 """
 from __future__ import annotations
 
@@ -41,6 +43,10 @@ _ITERS = flags.DEFINE_integer("iterations", 200, "Timed calls per candidate and 
 _ROUNDS = flags.DEFINE_integer("rounds", 10, "Rounds of the rounds/interleaved methods.")
 _TRACE = flags.DEFINE_integer("trace_calls", 2000, "Calls of A alone, each call's time kept "
                               "(0: none).")
+_TRACE_SESSION = flags.DEFINE_integer(
+    "trace_session_calls", 0, "The trace in CUPTI sessions of at most this many calls (0: as "
+    "the benchmarks time, up to timing.MAX_OUTPUT_BYTES_IN_FLIGHT of held outputs per session). "
+    "A session holds every call's outputs until it ends.")
 _OUT = flags.DEFINE_string("out", "", "JSON output path; default experiments/out/"
                            "timer_check.json.")
 
@@ -53,6 +59,8 @@ def check_flags() -> None:
   flag_checks.positive_ints("num_devices", [_DEVICES.value])
   flag_checks.positive_ints("repeats", [_REPEATS.value])
   flag_checks.positive_ints("rounds", [_ROUNDS.value])
+  if _TRACE_SESSION.value < 0:
+    raise app.UsageError(f"--trace_session_calls={_TRACE_SESSION.value} must be >= 0")
   if not 1 <= _ROUNDS.value <= _ITERS.value:
     raise app.UsageError(f"--rounds={_ROUNDS.value} must be in [1, --iterations]")
   if "seq" in _FUNCTIONS.value and _DEVICES.value < 2:
@@ -114,9 +122,24 @@ def compare(name: str, function: str, d: int) -> dict:
         entry["rules"] = [ta.rule] + ta.notes
         entry["first_times_us"] = {"A": ta.times_us, "B": tb.times_us}
   if _TRACE.value:
-    trace = timing.time_function(a, args, iterations=_TRACE.value, warmup=0, num_devices=d)
-    row["trace_us"], row["trace_rule"] = trace.times_us, trace.rule
+    row.update(trace(a, args, d))
   return row
+
+
+def trace(compiled, args, d: int) -> dict:
+  """--trace_calls calls of one executable, each call's time kept, in sessions of at most
+  --trace_session_calls calls (0: `timing.time_function`'s own split)."""
+  from pallas_rs.bench import timing  # pylint: disable=g-import-not-at-top
+  total, per = _TRACE.value, _TRACE_SESSION.value or _TRACE.value
+  times, rule = [], None
+  for calls in timing.round_iterations(total, -(-total // per)):
+    got = timing.time_function(compiled, args, iterations=calls, warmup=0, num_devices=d)
+    times += got.times_us
+    rule = rule or "; ".join([got.rule] + got.notes)
+  # On one H200 a 56 us GEMM's trace slowed in steps as the session's held outputs grew
+  # (BUILD_NOTES, eighty-first session): the footprint goes with the times.
+  return {"trace_us": times, "trace_rule": rule, "trace_session_calls": _TRACE_SESSION.value or None,
+          "output_bytes_per_call": timing.output_bytes(compiled)}
 
 
 def summary(row: dict) -> list[list[str]]:

@@ -21,7 +21,7 @@ def test_timer_check_script_plumbing(tmp_path):
   proc = helpers.run_script_with_stand_ins(
       "timer_check.py", ["--names=ci_llama70b_o_proj_d2", "--num_devices=2",
                          "--functions=gemm,seq", "--repeats=2", "--iterations=4", "--rounds=2",
-                         "--trace_calls=100", f"--out={out}"],
+                         "--trace_calls=100", "--trace_session_calls=40", f"--out={out}"],
       stand_ins="", after_load="mod.require_cupti = lambda timing: None")
   assert proc.returncode == 0, proc.stderr[-3000:]
   rows = json.loads(out.read_text())["rows"]
@@ -31,7 +31,8 @@ def test_timer_check_script_plumbing(tmp_path):
     for entry in row["methods"].values():
       assert len(entry["ratio"]) == 2 and all(r > 0 for r in entry["ratio"])
       assert len(entry["first_times_us"]["A"]) == 4
-    assert len(row["trace_us"]) == 100
+    assert len(row["trace_us"]) == 100 and row["trace_session_calls"] == 40  # 34 + 33 + 33
+    assert row["output_bytes_per_call"] > 0
   assert "| ci_llama70b_o_proj_d2 | seq | interleaved |" in proc.stdout
   assert "trace 100 calls" in proc.stdout
 
@@ -42,7 +43,8 @@ def test_timer_check_flags():
     try:
       for argv, match in ((["--functions=seq"], "needs --num_devices >= 2"),
                           (["--methods=blocks"], "--methods: not one of"),
-                          (["--rounds=300"], "--rounds=300")):
+                          (["--rounds=300"], "--rounds=300"),
+                          (["--trace_session_calls=-1"], "--trace_session_calls=-1")):
         flags.FLAGS.unparse_flags()
         flags.FLAGS(["timer_check.py", *argv])
         with pytest.raises(app.UsageError, match=match):
