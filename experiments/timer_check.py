@@ -138,7 +138,8 @@ def trace(compiled, args, d: int) -> dict:
     rule = rule or "; ".join([got.rule] + got.notes)
   # On one H200 a 56 us GEMM's trace slowed in steps as the session's held outputs grew
   # (BUILD_NOTES, eighty-first session): the footprint goes with the times.
-  return {"trace_us": times, "trace_rule": rule, "trace_session_calls": _TRACE_SESSION.value or None,
+  return {"trace_us": times, "trace_rule": rule,
+          "trace_session_calls": _TRACE_SESSION.value or None,
           "output_bytes_per_call": timing.output_bytes(compiled)}
 
 
