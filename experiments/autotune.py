@@ -658,6 +658,11 @@ def check_flags():
   shapes selected (`select_cases`, which refuses a selection with no shape)."""
   flag_checks.shape_names("names", FLAGS.names)
   flag_checks.shape_tags("tags", FLAGS.tags)
+  flag_checks.positive_ints("iterations", [FLAGS.iterations])
+  flag_checks.non_negative_ints("warmup", [FLAGS.warmup])
+  flag_checks.non_negative_ints("confirm_rounds", [FLAGS.confirm_rounds])
+  if FLAGS.num_devices is not None:
+    flag_checks.positive_ints("num_devices", [FLAGS.num_devices])
   return select_cases()
 
 

@@ -68,6 +68,11 @@ def positive_ints(flag: str, values: Iterable[str] | None) -> None:
           "not a positive integer")
 
 
+def non_negative_ints(flag: str, values: Iterable[str] | None) -> None:
+  """Every value is an integer >= 0 (a count where 0 means none or a default)."""
+  _refuse(flag, [v for v in values or () if not str(v).isdigit()], "not an integer >= 0")
+
+
 def _flag_module(module_name: str) -> str:
   """The name absl files a flag of `module_name` under (the script's path for __main__, so
   that --help lists it with the script's own flags)."""

@@ -345,6 +345,10 @@ def check_flags() -> None:
   flag_checks.subset("implementations", FLAGS.implementations, api.IMPLEMENTATIONS)
   flag_checks.subset("passes", FLAGS.passes, PASSES)
   flag_checks.positive_ints("m", FLAGS.m)
+  flag_checks.positive_ints("iterations", [FLAGS.iterations])
+  flag_checks.non_negative_ints("warmup", [FLAGS.warmup])
+  if FLAGS.num_devices is not None:
+    flag_checks.positive_ints("num_devices", [FLAGS.num_devices])
 
 
 def main(argv: Sequence[str]) -> int:

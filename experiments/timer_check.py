@@ -59,8 +59,8 @@ def check_flags() -> None:
   flag_checks.positive_ints("num_devices", [_DEVICES.value])
   flag_checks.positive_ints("repeats", [_REPEATS.value])
   flag_checks.positive_ints("rounds", [_ROUNDS.value])
-  if _TRACE_SESSION.value < 0:
-    raise app.UsageError(f"--trace_session_calls={_TRACE_SESSION.value} must be >= 0")
+  flag_checks.non_negative_ints("trace_calls", [_TRACE.value])
+  flag_checks.non_negative_ints("trace_session_calls", [_TRACE_SESSION.value])
   if not 1 <= _ROUNDS.value <= _ITERS.value:
     raise app.UsageError(f"--rounds={_ROUNDS.value} must be in [1, --iterations]")
   if "seq" in _FUNCTIONS.value and _DEVICES.value < 2:

@@ -167,6 +167,19 @@ def test_a_misspelt_shape_or_variant_stops_the_script_before_it_runs():
       ablate.check_flags()
 
 
+@pytest.mark.parametrize("script,argv,match", [
+    ("autotune", ["--iterations=0"], "--iterations: not a positive integer: 0"),
+    ("autotune", ["--warmup=-1"], "--warmup: not an integer >= 0: -1"),
+    ("autotune", ["--confirm_rounds=-2"], "--confirm_rounds: not an integer >= 0: -2"),
+    ("model_bench", ["--iterations=-5"], "--iterations: not a positive integer: -5"),
+    ("model_bench", ["--warmup=-1"], "--warmup: not an integer >= 0: -1"),
+    ("model_bench", ["--num_devices=0"], "--num_devices: not a positive integer: 0"),
+])
+def test_a_bad_count_stops_the_script_before_it_runs(script, argv, match):
+  with _parsed(script, argv) as module, pytest.raises(app.UsageError, match=match):
+    module.check_flags()
+
+
 _CHECKED_FLAGS = ("names", "configs", "variants", "ours", "tags", "variant")
 
 

@@ -44,7 +44,9 @@ def test_timer_check_flags():
       for argv, match in ((["--functions=seq"], "needs --num_devices >= 2"),
                           (["--methods=blocks"], "--methods: not one of"),
                           (["--rounds=300"], "--rounds=300"),
-                          (["--trace_session_calls=-1"], "--trace_session_calls=-1")):
+                          (["--trace_calls=-2"], "--trace_calls: not an integer >= 0: -2"),
+                          (["--trace_session_calls=-1"],
+                           "--trace_session_calls: not an integer >= 0: -1")):
         flags.FLAGS.unparse_flags()
         flags.FLAGS(["timer_check.py", *argv])
         with pytest.raises(app.UsageError, match=match):
