@@ -171,7 +171,7 @@ def time_function(fn: Callable[..., Any], args: Sequence[Any], *,
     paired.append(session_paired)
   if len(sessions) > 1:
     notes.append(f"{len(sessions)} CUPTI sessions of <= {sessions[0]} calls (each session "
-                 f"holds its calls' outputs: <= {MAX_OUTPUT_BYTES_IN_FLIGHT >> 30} GiB)")
+                 f"holds its calls' outputs: <= {MAX_OUTPUT_BYTES_IN_FLIGHT >> 20} MiB)")
   timing = kernels_to_timing(per_iter, num_devices, paired=all(paired))
   timing.iterations, timing.warmup = iterations, warmup
   timing.compile_s, timing.host_batch_us = compile_s, batch / iterations
@@ -180,9 +180,11 @@ def time_function(fn: Callable[..., Any], args: Sequence[Any], *,
 
 
 # Outputs that timed calls may hold at once, per device: profiler.measure keeps every call's
-# outputs until its session ends (a loopback D = 8 output at M = 32768 is 4.3 GB, so 200 calls
-# would not fit an H200: BUILD_NOTES, seventy-seventh session).
-MAX_OUTPUT_BYTES_IN_FLIGHT = 16 << 30
+# outputs until its session ends. Beyond memory (a loopback D = 8 output at M = 32768 is 4.3 GB:
+# 200 calls would not fit an H200), held outputs slow the calls themselves: a 56 us GEMM with
+# 6 MiB outputs traced over 2000 calls in one session stepped up ~10% after ~3.6 GiB held, and
+# was flat in sessions of 100 calls (600 MiB; BUILD_NOTES, eighty-second session).
+MAX_OUTPUT_BYTES_IN_FLIGHT = 512 << 20
 
 
 def _calls_in_flight(compiled) -> int | None:
