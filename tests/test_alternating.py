@@ -186,3 +186,19 @@ def test_sync_call_lines_up_the_arguments_devices():
   out = fn(*args)
   assert out.shape == (2,) and {d.id for d in out.sharding.device_set} == {0, 1}
   assert cupti.sync_call([(x,)], 4) is None
+
+
+def test_interleaved_sessions_hold_at_most_512_mib_of_outputs(monkeypatch):
+  # Held outputs slow the calls (BUILD_NOTES, eighty-second session), so a round (one CUPTI
+  # session) holds at most timing.MAX_OUTPUT_BYTES_IN_FLIGHT of them: more, shorter rounds.
+  ext = _fake_session(monkeypatch)
+  mib = 1 << 20
+  assert timing.MAX_OUTPUT_BYTES_IN_FLIGHT == 512 * mib
+  for per_call, rounds in ((50 * mib, 2), (100 * mib, 3), (300 * mib, 6)):
+    monkeypatch.setattr(timing, "output_bytes", lambda c, nbytes=per_call: nbytes)
+    items = {"a": (_FakeFunction(ext, ["gemm"], 10.0), ()),
+             "b": (_FakeFunction(ext, ["rs"], 5.0), ())}
+    got = alternating.time_alternating(items, iterations=6, rounds=2, timer="cupti",
+                                       num_devices=2)
+    # A cycle (a, b) holds 2 x per_call: 5, 2 and 1 cycles a session, so 2 (--rounds), 3, 6.
+    assert got["a"].iterations == 6 and f"{rounds} rounds" in got["a"].rule, got["a"].rule
