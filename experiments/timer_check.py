@@ -15,8 +15,8 @@ over the D GPUs, the unfused path), --repeats times per method of --methods
                several GPUs a scalar psum, not counted, before each call).
 Per repeat: median(B) / median(A), A's median, and (interleaved) the median of the
 per-iteration ratios B_i / A_i. Then --trace_calls calls of A alone, each call's time kept:
-the GPU's slow phases, if any, over a few seconds (in CUPTI sessions of at most
---trace_session_calls calls, to tell them from the cost of the outputs a session holds).
+how a call's time moves over a few seconds (in CUPTI sessions of at most
+--trace_session_calls calls: a session's held outputs slow its calls, BUILD_NOTES 2026-12-05).
 JSON under --out; a table last.
 """
 from __future__ import annotations
@@ -136,8 +136,8 @@ def trace(compiled, args, d: int) -> dict:
     got = timing.time_function(compiled, args, iterations=calls, warmup=0, num_devices=d)
     times += got.times_us
     rule = rule or "; ".join([got.rule] + got.notes)
-  # On one H200 a 56 us GEMM's trace slowed in steps as the session's held outputs grew
-  # (BUILD_NOTES, eighty-first session): the footprint goes with the times.
+  # A 56 us GEMM's trace slowed in steps as the session's held outputs grew (one H200 and
+  # one H100, BUILD_NOTES eighty-first and eighty-second sessions): the footprint goes with it.
   return {"trace_us": times, "trace_rule": rule,
           "trace_session_calls": _TRACE_SESSION.value or None,
           "output_bytes_per_call": timing.output_bytes(compiled)}
