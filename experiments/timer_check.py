@@ -47,6 +47,10 @@ _TRACE_SESSION = flags.DEFINE_integer(
     "trace_session_calls", 0, "The trace in CUPTI sessions of at most this many calls (0: as "
     "the benchmarks time, up to timing.MAX_OUTPUT_BYTES_IN_FLIGHT of held outputs per session). "
     "A session holds every call's outputs until it ends.")
+_SESSION_LIMIT = flags.DEFINE_integer(
+    "session_limit_mib", 0, "Held outputs a CUPTI session may reach, MiB per device, for every "
+    "method and the trace (0: timing.MAX_OUTPUT_BYTES_IN_FLIGHT, what the benchmarks use); "
+    "e.g. 16384, the limit before 2026-12-05, to see what held outputs cost.")
 _OUT = flags.DEFINE_string("out", "", "JSON output path; default experiments/out/"
                            "timer_check.json.")
 
@@ -61,6 +65,7 @@ def check_flags() -> None:
   flag_checks.positive_ints("rounds", [_ROUNDS.value])
   flag_checks.non_negative_ints("trace_calls", [_TRACE.value])
   flag_checks.non_negative_ints("trace_session_calls", [_TRACE_SESSION.value])
+  flag_checks.non_negative_ints("session_limit_mib", [_SESSION_LIMIT.value])
   if not 1 <= _ROUNDS.value <= _ITERS.value:
     raise app.UsageError(f"--rounds={_ROUNDS.value} must be in [1, --iterations]")
   if "seq" in _FUNCTIONS.value and _DEVICES.value < 2:
@@ -171,10 +176,13 @@ def main(argv):
   from pallas_rs.bench import timing  # pylint: disable=g-import-not-at-top
 
   require_cupti(timing)
+  if _SESSION_LIMIT.value:  # This process only: the script measures the limit's effect.
+    timing.MAX_OUTPUT_BYTES_IN_FLIGHT = _SESSION_LIMIT.value << 20
   if len(jax.devices()) < _DEVICES.value:
     raise app.UsageError(f"--num_devices={_DEVICES.value}: {len(jax.devices())} visible")
   out = Path(_OUT.value) if _OUT.value else bench_env.default_out("timer_check.json")
-  record = {"environment": bench_env.environment_block(sys.argv), "rows": []}
+  record = {"environment": bench_env.environment_block(sys.argv),
+            "session_limit_bytes": timing.MAX_OUTPUT_BYTES_IN_FLIGHT, "rows": []}
   table = []
   for name in _NAMES.value:
     for function in _FUNCTIONS.value:
