@@ -113,8 +113,8 @@ def _time_interleaved(items, iterations: int, rounds: int, warmup: int
       return None, "kernel records not told apart by device" + NOT_INTERLEAVED
     # A session holds its calls' outputs, and each device's records must fit one buffer.
     nbytes = sum(timing.output_bytes(c) or 0 for c, _, _ in items.values())
-    per_session = min(max(1, timing.MAX_OUTPUT_BYTES_IN_FLIGHT // nbytes) if nbytes
-                      else iterations, cupti.MAX_RECORDS_PER_BUFFER // sum(map(len, names)))
+    per_session = min(timing.calls_in_flight(nbytes) or iterations,
+                      cupti.MAX_RECORDS_PER_BUFFER // sum(map(len, names)))
     if per_session < 1:
       return None, ("a cycle of the calls has too many kernels for one session"
                     + NOT_INTERLEAVED)

@@ -160,7 +160,7 @@ def time_function(fn: Callable[..., Any], args: Sequence[Any], *,
         rule=("host wall clock per call incl. dispatch, block_until_ready on "
               "all outputs (all devices): no performance claims"),
         iterations=iterations, warmup=warmup, compile_s=compile_s)
-  sessions = _session_sizes(iterations, _calls_in_flight(compiled))
+  sessions = _session_sizes(iterations, calls_in_flight(output_bytes(compiled)))
   per_iter, notes, paired, batch = [], [], [], 0.0
   for calls in sessions:
     batch += host_batch_us(compiled, args, calls) * calls
@@ -188,9 +188,9 @@ def time_function(fn: Callable[..., Any], args: Sequence[Any], *,
 MAX_OUTPUT_BYTES_IN_FLIGHT = 512 << 20
 
 
-def _calls_in_flight(compiled) -> int | None:
-  """How many calls' outputs fit MAX_OUTPUT_BYTES_IN_FLIGHT per device (None: no limit)."""
-  nbytes = output_bytes(compiled)
+def calls_in_flight(nbytes: int | None) -> int | None:
+  """How many calls of `nbytes` of outputs per device fit MAX_OUTPUT_BYTES_IN_FLIGHT: one
+  CUPTI session's calls (at least 1; None: the outputs' size unknown, no limit)."""
   return max(1, MAX_OUTPUT_BYTES_IN_FLIGHT // nbytes) if nbytes else None
 
 
