@@ -183,6 +183,8 @@ def check_flags() -> None:
   flag_checks.shape_names("names", FLAGS.names)
   flag_checks.shape_tags("tags", FLAGS.tags)
   flag_checks.subset("implementations", FLAGS.implementations, api.IMPLEMENTATIONS)
+  flag_checks.positive_ints("iterations", [FLAGS.iterations])
+  flag_checks.non_negative_ints("warmup", [FLAGS.warmup])
   if FLAGS.rounds is not None and not 1 <= FLAGS.rounds <= FLAGS.iterations:
     raise app.UsageError(f"--rounds={FLAGS.rounds} must be in [1, --iterations="
                          f"{FLAGS.iterations}]")
@@ -200,9 +202,6 @@ def main(argv: Sequence[str]) -> int:
   implementations = FLAGS.implementations
   if implementations is None:
     implementations = ["xla"] if mode == "smoke" else ["fused"]
-  if FLAGS.iterations < 1 or FLAGS.warmup < 0:
-    raise app.UsageError(f"--iterations={FLAGS.iterations} must be >= 1 and "
-                         f"--warmup={FLAGS.warmup} >= 0")
   timer = timing.resolve_timer(FLAGS.timer)
   backend = jax.default_backend()
   if mode == "smoke":

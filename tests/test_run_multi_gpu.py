@@ -174,6 +174,8 @@ def test_a_misspelt_shape_or_variant_stops_the_script_before_it_runs():
     ("model_bench", ["--iterations=-5"], "--iterations: not a positive integer: -5"),
     ("model_bench", ["--warmup=-1"], "--warmup: not an integer >= 0: -1"),
     ("model_bench", ["--num_devices=0"], "--num_devices: not a positive integer: 0"),
+    ("matmul_rs_bench", ["--iterations=0"], "--iterations: not a positive integer: 0"),
+    ("matmul_rs_bench", ["--warmup=-3"], "--warmup: not an integer >= 0: -3"),
 ])
 def test_a_bad_count_stops_the_script_before_it_runs(script, argv, match):
   with _parsed(script, argv) as module, pytest.raises(app.UsageError, match=match):
