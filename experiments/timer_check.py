@@ -17,7 +17,9 @@ Per repeat: median(B) / median(A), A's median, and (interleaved) the median of t
 per-iteration ratios B_i / A_i. Then --trace_calls calls of A alone, each call's time kept:
 how a call's time moves over a few seconds (in CUPTI sessions of at most
 --trace_session_calls calls: a session's held outputs slow its calls, BUILD_NOTES 2026-12-05).
-JSON under --out; a table last.
+--ballast_mib holds device memory apart from the outputs throughout, to tell whether held
+memory slows the calls wherever it is or only as the calls' own outputs. JSON under --out; a
+table last.
 """
 from __future__ import annotations
 
@@ -51,6 +53,10 @@ _SESSION_LIMIT = flags.DEFINE_integer(
     "session_limit_mib", 0, "Held outputs a CUPTI session may reach, MiB per device, for every "
     "method and the trace (0: timing.MAX_OUTPUT_BYTES_IN_FLIGHT, what the benchmarks use); "
     "e.g. 16384, the limit before 2026-12-05, to see what held outputs cost.")
+_BALLAST = flags.DEFINE_integer(
+    "ballast_mib", 0, "Device memory, MiB per device, written and kept live before anything is "
+    "compiled or timed, apart from the timed calls' outputs. If it slows the calls as held "
+    "outputs do, where buffers sit matters; if not, the outputs' own pages do.")
 _OUT = flags.DEFINE_string("out", "", "JSON output path; default experiments/out/"
                            "timer_check.json.")
 
@@ -66,6 +72,7 @@ def check_flags() -> None:
   flag_checks.non_negative_ints("trace_calls", [_TRACE.value])
   flag_checks.non_negative_ints("trace_session_calls", [_TRACE_SESSION.value])
   flag_checks.non_negative_ints("session_limit_mib", [_SESSION_LIMIT.value])
+  flag_checks.non_negative_ints("ballast_mib", [_BALLAST.value])
   if not 1 <= _ROUNDS.value <= _ITERS.value:
     raise app.UsageError(f"--rounds={_ROUNDS.value} must be in [1, --iterations]")
   if "seq" in _FUNCTIONS.value and _DEVICES.value < 2:
@@ -75,6 +82,17 @@ def check_flags() -> None:
 def require_cupti(timing) -> None:
   if timing.resolve_timer() != "cupti":
     raise app.UsageError("timer_check.py checks the CUPTI timer: it needs a GPU")
+
+
+def allocate_ballast(mib: int, d: int) -> list:
+  """`mib` MiB written on each of the first `d` devices, ready; the caller keeps them live."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  if not mib:
+    return []
+  ballast = [jnp.ones((mib, 1 << 20), jnp.uint8, device=dev) for dev in jax.devices()[:d]]
+  jax.block_until_ready(ballast)
+  return ballast
 
 
 def build(name: str, function: str, d: int):
@@ -181,8 +199,11 @@ def main(argv):
   if len(jax.devices()) < _DEVICES.value:
     raise app.UsageError(f"--num_devices={_DEVICES.value}: {len(jax.devices())} visible")
   out = Path(_OUT.value) if _OUT.value else bench_env.default_out("timer_check.json")
+  ballast = allocate_ballast(_BALLAST.value, _DEVICES.value)  # Live until main returns.
   record = {"environment": bench_env.environment_block(sys.argv),
-            "session_limit_bytes": timing.MAX_OUTPUT_BYTES_IN_FLIGHT, "rows": []}
+            "session_limit_bytes": timing.MAX_OUTPUT_BYTES_IN_FLIGHT,
+            "ballast_bytes_per_device": sum(b.nbytes for b in ballast) // _DEVICES.value,
+            "rows": []}
   table = []
   for name in _NAMES.value:
     for function in _FUNCTIONS.value:
@@ -191,6 +212,7 @@ def main(argv):
       bench_env.write_json(out, record)
       table += summary(row)
       print(f"{name} {function}: done", flush=True)
+  del ballast
   print(f"\nwrote {out}\n")
   print("| case | function | method | B/A mean | sd | max abs(1 - B/A) | paired B/A | A us |")
   print("|---|---|---|---|---|---|---|---|")

@@ -22,12 +22,13 @@ def test_timer_check_script_plumbing(tmp_path):
       "timer_check.py", ["--names=ci_llama70b_o_proj_d2", "--num_devices=2",
                          "--functions=gemm,seq", "--repeats=2", "--iterations=4", "--rounds=2",
                          "--trace_calls=100", "--trace_session_calls=40",
-                         "--session_limit_mib=3", f"--out={out}"],
+                         "--session_limit_mib=3", "--ballast_mib=2", f"--out={out}"],
       stand_ins="", after_load="mod.require_cupti = lambda timing: None")
   assert proc.returncode == 0, proc.stderr[-3000:]
   doc = json.loads(out.read_text())
   rows = doc["rows"]
   assert doc["session_limit_bytes"] == 3 << 20
+  assert doc["ballast_bytes_per_device"] == 2 << 20
   assert [(r["function"], r["num_devices"]) for r in rows] == [("gemm", 2), ("seq", 2)]
   for row in rows:
     assert set(row["methods"]) == {"block", "rounds", "interleaved"}
@@ -51,7 +52,8 @@ def test_timer_check_flags():
                           (["--trace_session_calls=-1"],
                            "--trace_session_calls: not an integer >= 0: -1"),
                           (["--session_limit_mib=-512"],
-                           "--session_limit_mib: not an integer >= 0: -512")):
+                           "--session_limit_mib: not an integer >= 0: -512"),
+                          (["--ballast_mib=-1"], "--ballast_mib: not an integer >= 0: -1")):
         flags.FLAGS.unparse_flags()
         flags.FLAGS(["timer_check.py", *argv])
         with pytest.raises(app.UsageError, match=match):
