@@ -184,7 +184,8 @@ def time_function(fn: Callable[..., Any], args: Sequence[Any], *,
 # 200 calls would not fit an H200), held outputs slow the calls themselves: a 56 us GEMM with
 # 6 MiB outputs traced over 2000 calls in one session stepped up ~10% after ~3.6 GiB held, and
 # was flat in sessions of 100 calls (600 MiB); a 1.5 ms GEMM ran 5-12% slower in sessions of up to
-# 16 GiB than of 512 MiB (one H100, BUILD_NOTES, eighty-second session).
+# 16 GiB than of 512 MiB (one H100, BUILD_NOTES, eighty-second session; 9-16% on one H200,
+# eighty-third). Up to 32 GiB held apart from the timed calls cost nothing: the outputs they write do.
 MAX_OUTPUT_BYTES_IN_FLIGHT = 512 << 20
 
 
