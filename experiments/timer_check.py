@@ -7,7 +7,8 @@ timed as two candidates A and B, where a perfect comparison gives B / A = 1.
 
 Per case of --names and function of --functions ("gemm": XLA's dot on each device, the
 per-device GEMM m x k/D x n with D = --num_devices; "seq": that dot then `psum_scatter`
-over the D GPUs, the unfused path), --repeats times per method of --methods
+over the D GPUs, the unfused path; "kernel": pallas_rs's kernel at D = 1 on the same GEMM,
+`fused.local_matmul`, one GPU), --repeats times per method of --methods
 (`pallas_rs.bench.alternating.time_alternating`, --iterations calls per candidate):
   block:       A's calls, then B's (one round, not interleaved);
   rounds:      --rounds rounds, each candidate's calls of a round back to back;
@@ -33,7 +34,7 @@ import flag_checks
 from absl import app
 from absl import flags
 
-FUNCTIONS = ("gemm", "seq")
+FUNCTIONS = ("gemm", "seq", "kernel")
 METHODS = ("block", "rounds", "interleaved")
 _NAMES = flags.DEFINE_list("names", ["llama70b_o_proj_m8192", "mixtral8x22b_o_proj_m512"],
                            "Cases of pallas_rs.bench.shapes: global m, k, n.")
@@ -77,6 +78,9 @@ def check_flags() -> None:
     raise app.UsageError(f"--rounds={_ROUNDS.value} must be in [1, --iterations]")
   if "seq" in _FUNCTIONS.value and _DEVICES.value < 2:
     raise app.UsageError("--functions=seq needs --num_devices >= 2 (a reduce-scatter)")
+  if "kernel" in _FUNCTIONS.value and _DEVICES.value != 1:
+    raise app.UsageError("--functions=kernel runs on one GPU (fused.local_matmul): "
+                         "--num_devices=1")
 
 
 def require_cupti(timing) -> None:
@@ -107,6 +111,10 @@ def build(name: str, function: str, d: int):
   mesh = jax.make_mesh((d,), ("tp",), devices=jax.devices()[:d])
   x, w = testing.generate(0, case.m, case.k, case.n, num_devices=d,
                           shardings=testing.row_parallel_shardings(mesh, "tp"))
+
+  if function == "kernel":
+    from pallas_rs.kernel import fused  # pylint: disable=g-import-not-at-top
+    return jax.jit(fused.local_matmul), (x, w)
 
   def body(xs, ws):
     y = jnp.dot(xs, ws, preferred_element_type=jnp.float32).astype(xs.dtype)

@@ -46,6 +46,8 @@ def test_timer_check_flags():
   with helpers.script("timer_check") as mod:
     try:
       for argv, match in ((["--functions=seq"], "needs --num_devices >= 2"),
+                          (["--functions=gemm,kernel", "--num_devices=2"],
+                           "--functions=kernel runs on one GPU"),
                           (["--methods=blocks"], "--methods: not one of"),
                           (["--rounds=300"], "--rounds=300"),
                           (["--trace_calls=-2"], "--trace_calls: not an integer >= 0: -2"),
