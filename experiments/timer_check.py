@@ -108,13 +108,15 @@ def build(name: str, function: str, d: int):
   from pallas_rs.bench import testing  # pylint: disable=g-import-not-at-top
 
   case = shapes.by_name(name)
+  if function == "kernel":
+    from pallas_rs.kernel import fused  # pylint: disable=g-import-not-at-top
+    # Unsharded arrays, as the harness gives local_matmul: Pallas refuses to slice a ref along
+    # a mesh-sharded axis.
+    return jax.jit(fused.local_matmul), testing.generate(0, case.m, case.k, case.n)
+
   mesh = jax.make_mesh((d,), ("tp",), devices=jax.devices()[:d])
   x, w = testing.generate(0, case.m, case.k, case.n, num_devices=d,
                           shardings=testing.row_parallel_shardings(mesh, "tp"))
-
-  if function == "kernel":
-    from pallas_rs.kernel import fused  # pylint: disable=g-import-not-at-top
-    return jax.jit(fused.local_matmul), (x, w)
 
   def body(xs, ws):
     y = jnp.dot(xs, ws, preferred_element_type=jnp.float32).astype(xs.dtype)
