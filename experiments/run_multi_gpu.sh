@@ -41,17 +41,22 @@ case "${1:-check}" in
       | quiet | tail -8 ;;
   timer)
     # Two executables of one function as candidates A and B (B / A = 1 but for the timer), in
-    # blocks, in rounds and call by call (pallas_rs.bench.alternating): on two GPUs, then on two
-    # with sessions holding up to 16 GiB of outputs (the limit before 2026-12-05: were the
-    # two-H200 slow phases of 2026-12-04 held outputs too?). One GPU (BUILD_NOTES eighty-second
-    # and eighty-third sessions, H100 and H200) needs no rerun: `timer_check.py` alone does it.
-    timeout 400 python3 experiments/timer_check.py --num_devices=2 --functions=gemm,seq \
+    # blocks, in rounds and call by call (pallas_rs.bench.alternating), on two GPUs. One GPU
+    # (BUILD_NOTES eighty-second and eighty-third sessions, H100 and H200) needs no rerun.
+    timeout 300 python3 experiments/timer_check.py --num_devices=2 --functions=gemm,seq \
       --names=llama70b_down_proj_m8192,mixtral8x22b_o_proj_m512 \
       --out="$out/timer_check_2gpu.json" 2>&1 | quiet | tail -20
-    timeout 120 python3 experiments/timer_check.py --num_devices=2 --functions=gemm,seq \
-      --names=llama70b_down_proj_m8192 --methods=rounds,interleaved --repeats=2 \
-      --trace_calls=0 --session_limit_mib=16384 \
-      --out="$out/timer_check_2gpu_16gib.json" 2>&1 | quiet | tail -8 ;;
+    # Held outputs, the unfused and the fused path: sessions of up to 512 MiB, 16 GiB (the limit
+    # before 2026-12-05), 512 MiB; 2 rounds, so a 16 GiB session holds 6.4-12.8 GiB. On one H100
+    # at D = 1 they cost the kernel more than XLA's dot (eighty-third session); at D = 2?
+    i=0
+    for lim in 512 16384 512; do
+      i=$((i + 1))
+      timeout 90 python3 experiments/timer_check.py --num_devices=2 --functions=seq,fused \
+        --names=llama70b_down_proj_m8192 --methods=rounds,interleaved --repeats=1 --rounds=2 \
+        --trace_calls=0 --session_limit_mib=$lim \
+        --out="$out/timer_check_2gpu_held_${i}_${lim}mib.json" 2>&1 | quiet | tail -6
+    done ;;
   sweep)
     timeout 560 python3 experiments/matmul_rs_bench.py --mode=multi_gpu --tags=seed \
       --iterations=200 --implementations=xla,fused,auto --xla_peer --keep_going \

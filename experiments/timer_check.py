@@ -7,8 +7,9 @@ timed as two candidates A and B, where a perfect comparison gives B / A = 1.
 
 Per case of --names and function of --functions ("gemm": XLA's dot on each device, the
 per-device GEMM m x k/D x n with D = --num_devices; "seq": that dot then `psum_scatter`
-over the D GPUs, the unfused path; "kernel": pallas_rs's kernel at D = 1 on the same GEMM,
-`fused.local_matmul`, one GPU), --repeats times per method of --methods
+over the D GPUs, the unfused path; "fused": `pallas_rs.matmul_reduce_scatter` with
+implementation="fused" over the D >= 2 GPUs, the table's config; "kernel": pallas_rs's kernel at
+D = 1 on the same GEMM, `fused.local_matmul`, one GPU), --repeats times per method of --methods
 (`pallas_rs.bench.alternating.time_alternating`, --iterations calls per candidate):
   block:       A's calls, then B's (one round, not interleaved);
   rounds:      --rounds rounds, each candidate's calls of a round back to back;
@@ -34,7 +35,7 @@ import flag_checks
 from absl import app
 from absl import flags
 
-FUNCTIONS = ("gemm", "seq", "kernel")
+FUNCTIONS = ("gemm", "seq", "fused", "kernel")
 METHODS = ("block", "rounds", "interleaved")
 _NAMES = flags.DEFINE_list("names", ["llama70b_o_proj_m8192", "mixtral8x22b_o_proj_m512"],
                            "Cases of pallas_rs.bench.shapes: global m, k, n.")
@@ -76,8 +77,9 @@ def check_flags() -> None:
   flag_checks.non_negative_ints("ballast_mib", [_BALLAST.value])
   if not 1 <= _ROUNDS.value <= _ITERS.value:
     raise app.UsageError(f"--rounds={_ROUNDS.value} must be in [1, --iterations]")
-  if "seq" in _FUNCTIONS.value and _DEVICES.value < 2:
-    raise app.UsageError("--functions=seq needs --num_devices >= 2 (a reduce-scatter)")
+  for function in ("seq", "fused"):
+    if function in _FUNCTIONS.value and _DEVICES.value < 2:
+      raise app.UsageError(f"--functions={function} needs --num_devices >= 2 (a reduce-scatter)")
   if "kernel" in _FUNCTIONS.value and _DEVICES.value != 1:
     raise app.UsageError("--functions=kernel runs on one GPU (fused.local_matmul): "
                          "--num_devices=1")
@@ -119,6 +121,9 @@ def build(name: str, function: str, d: int):
                           shardings=testing.row_parallel_shardings(mesh, "tp"))
 
   def body(xs, ws):
+    if function == "fused":
+      import pallas_rs  # pylint: disable=g-import-not-at-top
+      return pallas_rs.matmul_reduce_scatter(xs, ws, axis_name="tp", implementation="fused")
     y = jnp.dot(xs, ws, preferred_element_type=jnp.float32).astype(xs.dtype)
     if function == "seq":
       y = jax.lax.psum_scatter(y, "tp", scatter_dimension=0, tiled=True)

@@ -45,7 +45,9 @@ def test_timer_check_flags():
   from absl import flags  # pylint: disable=g-import-not-at-top
   with helpers.script("timer_check") as mod:
     try:
-      for argv, match in ((["--functions=seq"], "needs --num_devices >= 2"),
+      for argv, match in ((["--functions=seq"], "--functions=seq needs --num_devices >= 2"),
+                          (["--functions=gemm,fused"],
+                           "--functions=fused needs --num_devices >= 2"),
                           (["--functions=gemm,kernel", "--num_devices=2"],
                            "--functions=kernel runs on one GPU"),
                           (["--methods=blocks"], "--methods: not one of"),
@@ -62,3 +64,11 @@ def test_timer_check_flags():
           mod.check_flags()
     finally:
       flags.FLAGS.unparse_flags()
+
+
+def test_timer_check_fused_runs_the_kernel():
+  # On a CPU the kernel refuses with its own message: "fused" is wired to it, not to XLA's path.
+  with helpers.script("timer_check") as mod:
+    fn, args = mod.build("llama70b_o_proj_m512", "fused", 2)
+    with pytest.raises(NotImplementedError, match="needs a Hopper GPU"):
+      fn(*args)
