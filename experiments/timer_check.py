@@ -25,11 +25,13 @@ table last.
 """
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 import statistics
 import sys
 
 import bench_env  # experiments/ is sys.path[0] when run as a script.
+import config_variants
 import flag_checks
 
 from absl import app
@@ -59,6 +61,10 @@ _BALLAST = flags.DEFINE_integer(
     "ballast_mib", 0, "Device memory, MiB per device, written and kept live before anything is "
     "compiled or timed, apart from the timed calls' outputs. If it slows the calls as held "
     "outputs do, where buffers sit matters; if not, the outputs' own pages do.")
+_KERNEL_CONFIG = flags.DEFINE_string(
+    "kernel_config", "table", "--functions=kernel: a config_variants name applied to the config "
+    "the kernel runs for the shape at D = 1 ('table': as tuned), e.g. 'gn_g1' (another tile "
+    "order).")
 _OUT = flags.DEFINE_string("out", "", "JSON output path; default experiments/out/"
                            "timer_check.json.")
 
@@ -75,6 +81,7 @@ def check_flags() -> None:
   flag_checks.non_negative_ints("trace_session_calls", [_TRACE_SESSION.value])
   flag_checks.non_negative_ints("session_limit_mib", [_SESSION_LIMIT.value])
   flag_checks.non_negative_ints("ballast_mib", [_BALLAST.value])
+  flag_checks.variant_names("kernel_config", [_KERNEL_CONFIG.value])
   if not 1 <= _ROUNDS.value <= _ITERS.value:
     raise app.UsageError(f"--rounds={_ROUNDS.value} must be in [1, --iterations]")
   for function in ("seq", "fused"):
@@ -112,9 +119,13 @@ def build(name: str, function: str, d: int):
   case = shapes.by_name(name)
   if function == "kernel":
     from pallas_rs.kernel import fused  # pylint: disable=g-import-not-at-top
+    cfg = config_variants.variant_config(
+        config_variants.tuned_config(m=case.m, k_shard=case.k, n=case.n, dtype=case.dtype,
+                                     num_devices=1), _KERNEL_CONFIG.value)
     # Unsharded arrays, as the harness gives local_matmul: Pallas refuses to slice a ref along
     # a mesh-sharded axis.
-    return jax.jit(fused.local_matmul), testing.generate(0, case.m, case.k, case.n)
+    return (jax.jit(functools.partial(fused.local_matmul, config=cfg)),
+            testing.generate(0, case.m, case.k, case.n))
 
   mesh = jax.make_mesh((d,), ("tp",), devices=jax.devices()[:d])
   x, w = testing.generate(0, case.m, case.k, case.n, num_devices=d,
@@ -143,6 +154,8 @@ def compare(name: str, function: str, d: int) -> dict:
   # Two executables of one program: B / A = 1 but for the timer.
   a, b = (timing.compile_function(fn, args)[0] for _ in range(2))
   row = {"name": name, "function": function, "num_devices": d, "methods": {}}
+  if function == "kernel":
+    row["kernel_config"] = _KERNEL_CONFIG.value
   for repeat in range(_REPEATS.value):
     for method in _METHODS.value:
       got = alternating.time_alternating(

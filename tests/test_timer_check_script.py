@@ -57,7 +57,8 @@ def test_timer_check_flags():
                            "--trace_session_calls: not an integer >= 0: -1"),
                           (["--session_limit_mib=-512"],
                            "--session_limit_mib: not an integer >= 0: -512"),
-                          (["--ballast_mib=-1"], "--ballast_mib: not an integer >= 0: -1")):
+                          (["--ballast_mib=-1"], "--ballast_mib: not an integer >= 0: -1"),
+                          (["--kernel_config=t64x192_bogus"], "--kernel_config")):
         flags.FLAGS.unparse_flags()
         flags.FLAGS(["timer_check.py", *argv])
         with pytest.raises(app.UsageError, match=match):
@@ -69,6 +70,22 @@ def test_timer_check_flags():
 def test_timer_check_fused_runs_the_kernel():
   # On a CPU the kernel refuses with its own message: "fused" is wired to it, not to XLA's path.
   with helpers.script("timer_check") as mod:
-    fn, args = mod.build("llama70b_o_proj_m512", "fused", 2)
+    fn, args = mod.build("ci_min_tile_d2", "fused", 2)  # m / D = 64 rows: the kernel's smallest.
     with pytest.raises(NotImplementedError, match="needs a Hopper GPU"):
       fn(*args)
+
+
+def test_timer_check_kernel_takes_the_config_variant():
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  with helpers.script("timer_check") as mod:
+    try:
+      flags.FLAGS.unparse_flags()
+      flags.FLAGS(["timer_check.py", "--kernel_config=t64x128_wn"])
+      fn, (x, w) = mod.build("ci_min_tile_d2", "kernel", 1)
+      cfg = fn.__wrapped__.keywords["config"]
+      assert (cfg.tile_m, cfg.tile_n, cfg.wg_dimension.name) == (64, 128, "N")
+      assert x.shape == (128, 128) and w.shape == (128, 256)
+      assert isinstance(x.sharding, jax.sharding.SingleDeviceSharding)  # Pallas needs unsharded.
+    finally:
+      flags.FLAGS.unparse_flags()
