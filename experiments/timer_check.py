@@ -113,12 +113,13 @@ def build(name: str, function: str, d: int):
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  import pallas_rs  # pylint: disable=g-import-not-at-top
   from pallas_rs.bench import shapes  # pylint: disable=g-import-not-at-top
   from pallas_rs.bench import testing  # pylint: disable=g-import-not-at-top
+  from pallas_rs.kernel import fused  # pylint: disable=g-import-not-at-top
 
   case = shapes.by_name(name)
   if function == "kernel":
-    from pallas_rs.kernel import fused  # pylint: disable=g-import-not-at-top
     cfg = config_variants.variant_config(
         config_variants.tuned_config(m=case.m, k_shard=case.k, n=case.n, dtype=case.dtype,
                                      num_devices=1), _KERNEL_CONFIG.value)
@@ -133,7 +134,6 @@ def build(name: str, function: str, d: int):
 
   def body(xs, ws):
     if function == "fused":
-      import pallas_rs  # pylint: disable=g-import-not-at-top
       return pallas_rs.matmul_reduce_scatter(xs, ws, axis_name="tp", implementation="fused")
     y = jnp.dot(xs, ws, preferred_element_type=jnp.float32).astype(xs.dtype)
     if function == "seq":

@@ -245,6 +245,22 @@ def script(name: str):
     forget_scripts(name)
 
 
+@contextlib.contextmanager
+def parsed_script(name: str, argv):
+  """experiments/`name`.py loaded with its absl flags parsed from `argv` (arguments after the
+  program name); yields the module. Unloaded afterwards: other scripts define the same flags."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  module = load_script(name)
+  try:
+    flags.FLAGS.unparse_flags()
+    rest = flags.FLAGS([f"{name}.py", *argv])
+    assert rest == [f"{name}.py"], f"{name} left arguments {rest[1:]}"
+    yield module
+  finally:
+    flags.FLAGS.unparse_flags()
+    forget_scripts(name)
+
+
 def forget_scripts(*names: str) -> None:
   """Unloads scripts loaded by `load_script` and removes their absl flags, so that a later test
   file can load another script that defines the same flag names."""

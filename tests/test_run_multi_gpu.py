@@ -3,7 +3,6 @@ through their script's flag parsing and `check_flags()` (experiments/flag_checks
 pytest selection it runs selects tests, so that a misspelt shape, config variant or flag in a
 queued multi-GPU step fails here and not on the device's time. Nothing is run: `python3`,
 `timeout` and `nvidia-smi` are stand-ins that record the calls."""
-import contextlib
 import os
 from pathlib import Path
 import re
@@ -82,21 +81,6 @@ def _script_calls(call_list):
   return [c for c in call_list if c and c[0].startswith("experiments/")]
 
 
-@contextlib.contextmanager
-def _parsed(script: str, argv):
-  """experiments/`script`.py loaded with its absl flags parsed from `argv` (arguments after the
-  program name); yields the module. Unloaded afterwards: other scripts define the same flags."""
-  module = helpers.load_script(script)
-  try:
-    flags.FLAGS.unparse_flags()
-    rest = flags.FLAGS([f"{script}.py", *argv])
-    assert rest == [f"{script}.py"], f"{script} left arguments {rest[1:]}"
-    yield module
-  finally:
-    flags.FLAGS.unparse_flags()
-    helpers.forget_scripts(script)
-
-
 @pytest.mark.parametrize("mode", MODES)
 def test_step_calls_parse_and_pass_their_checks(calls, mode):
   call_list, stderr, out, tmp = calls[mode]
@@ -104,7 +88,7 @@ def test_step_calls_parse_and_pass_their_checks(calls, mode):
   assert call_list, f"step {mode} called no python3"
   for call in _script_calls(call_list):
     script = Path(call[0]).stem
-    with _parsed(script, call[1:]) as module:
+    with helpers.parsed_script(script, call[1:]) as module:
       if hasattr(module, "check_flags"):
         module.check_flags()
       for name in _PATH_FLAGS:
@@ -143,7 +127,8 @@ def test_four_gpu_step_configs_run_over_nvlink(calls, mode):
   for call in _script_calls(calls[mode][0]):
     if Path(call[0]).stem != "ablate":
       continue
-    with _parsed("ablate", call[1:]):  # ablate's own flags: defaults and bare --unverified too
+    # ablate's own flags: defaults and bare --unverified too.
+    with helpers.parsed_script("ablate", call[1:]):
       unverified, names, configs = (flags.FLAGS[f].value
                                     for f in ("unverified", "names", "configs"))
     assert not unverified, call
@@ -163,7 +148,8 @@ def test_a_misspelt_shape_or_variant_stops_the_script_before_it_runs():
   for argv, match in ((["--names=llama70b_o_proj_m51"], "--names: not a shape.*m51"),
                       (["--configs=table,p4_rnig"], "--configs: unknown variant token 'rnig'"),
                       (["--ablations=fused,nither"], "--ablations: not one of.*'nither'")):
-    with _parsed("ablate", argv) as ablate, pytest.raises(app.UsageError, match=match):
+    with (helpers.parsed_script("ablate", argv) as ablate,
+          pytest.raises(app.UsageError, match=match)):
       ablate.check_flags()
 
 
@@ -178,7 +164,7 @@ def test_a_misspelt_shape_or_variant_stops_the_script_before_it_runs():
     ("matmul_rs_bench", ["--warmup=-3"], "--warmup: not an integer >= 0: -3"),
 ])
 def test_a_bad_count_stops_the_script_before_it_runs(script, argv, match):
-  with _parsed(script, argv) as module, pytest.raises(app.UsageError, match=match):
+  with helpers.parsed_script(script, argv) as module, pytest.raises(app.UsageError, match=match):
     module.check_flags()
 
 

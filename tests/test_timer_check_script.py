@@ -42,29 +42,23 @@ def test_timer_check_script_plumbing(tmp_path):
 
 
 def test_timer_check_flags():
-  from absl import flags  # pylint: disable=g-import-not-at-top
-  with helpers.script("timer_check") as mod:
-    try:
-      for argv, match in ((["--functions=seq"], "--functions=seq needs --num_devices >= 2"),
-                          (["--functions=gemm,fused"],
-                           "--functions=fused needs --num_devices >= 2"),
-                          (["--functions=gemm,kernel", "--num_devices=2"],
-                           "--functions=kernel runs on one GPU"),
-                          (["--methods=blocks"], "--methods: not one of"),
-                          (["--rounds=300"], "--rounds=300"),
-                          (["--trace_calls=-2"], "--trace_calls: not an integer >= 0: -2"),
-                          (["--trace_session_calls=-1"],
-                           "--trace_session_calls: not an integer >= 0: -1"),
-                          (["--session_limit_mib=-512"],
-                           "--session_limit_mib: not an integer >= 0: -512"),
-                          (["--ballast_mib=-1"], "--ballast_mib: not an integer >= 0: -1"),
-                          (["--kernel_config=t64x192_bogus"], "--kernel_config")):
-        flags.FLAGS.unparse_flags()
-        flags.FLAGS(["timer_check.py", *argv])
-        with pytest.raises(app.UsageError, match=match):
-          mod.check_flags()
-    finally:
-      flags.FLAGS.unparse_flags()
+  for argv, match in ((["--functions=seq"], "--functions=seq needs --num_devices >= 2"),
+                      (["--functions=gemm,fused"],
+                       "--functions=fused needs --num_devices >= 2"),
+                      (["--functions=gemm,kernel", "--num_devices=2"],
+                       "--functions=kernel runs on one GPU"),
+                      (["--methods=blocks"], "--methods: not one of"),
+                      (["--rounds=300"], "--rounds=300"),
+                      (["--trace_calls=-2"], "--trace_calls: not an integer >= 0: -2"),
+                      (["--trace_session_calls=-1"],
+                       "--trace_session_calls: not an integer >= 0: -1"),
+                      (["--session_limit_mib=-512"],
+                       "--session_limit_mib: not an integer >= 0: -512"),
+                      (["--ballast_mib=-1"], "--ballast_mib: not an integer >= 0: -1"),
+                      (["--kernel_config=t64x192_bogus"], "--kernel_config")):
+    with (helpers.parsed_script("timer_check", argv) as mod,
+          pytest.raises(app.UsageError, match=match)):
+      mod.check_flags()
 
 
 def test_timer_check_fused_runs_the_kernel():
@@ -76,16 +70,10 @@ def test_timer_check_fused_runs_the_kernel():
 
 
 def test_timer_check_kernel_takes_the_config_variant():
-  from absl import flags  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
-  with helpers.script("timer_check") as mod:
-    try:
-      flags.FLAGS.unparse_flags()
-      flags.FLAGS(["timer_check.py", "--kernel_config=t64x128_wn"])
-      fn, (x, w) = mod.build("ci_min_tile_d2", "kernel", 1)
-      cfg = fn.__wrapped__.keywords["config"]
-      assert (cfg.tile_m, cfg.tile_n, cfg.wg_dimension.name) == (64, 128, "N")
-      assert x.shape == (128, 128) and w.shape == (128, 256)
-      assert isinstance(x.sharding, jax.sharding.SingleDeviceSharding)  # Pallas needs unsharded.
-    finally:
-      flags.FLAGS.unparse_flags()
+  with helpers.parsed_script("timer_check", ["--kernel_config=t64x128_wn"]) as mod:
+    fn, (x, w) = mod.build("ci_min_tile_d2", "kernel", 1)
+  cfg = fn.__wrapped__.keywords["config"]
+  assert (cfg.tile_m, cfg.tile_n, cfg.wg_dimension.name) == (64, 128, "N")
+  assert x.shape == (128, 128) and w.shape == (128, 256)
+  assert isinstance(x.sharding, jax.sharding.SingleDeviceSharding)  # Pallas needs unsharded.
