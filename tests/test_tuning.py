@@ -855,22 +855,16 @@ def test_autotune_times_a_pulling_winners_fallback_with_it(monkeypatch):
 def test_autotune_times_a_group_in_rounds_on_its_executables():
   # `_group_timer` times the records' own executables (by record id), --confirm_rounds rounds
   # of --iterations calls each, one Timing per record in the records' order.
-  from absl import flags  # pylint: disable=g-import-not-at-top
   import helpers  # pylint: disable=g-import-not-at-top
-  with helpers.script("autotune") as autotune:
-    try:
-      flags.FLAGS.unparse_flags()
-      flags.FLAGS(["autotune.py", "--iterations=3", "--warmup=0"])
-      args = (jnp.ones((8, 8)),)
-      recs = [{"label": "a"}, {"label": "b"}]
-      compiled = {id(r): jax.jit(fn).lower(*args).compile()
-                  for r, fn in zip(recs, (lambda a: a + 1, lambda a: a @ a))}
-      got = autotune._group_timer(compiled, args, 1, 2)(recs)  # pylint: disable=protected-access
-      assert len(got) == 2 and all(len(t.times_us) == 6 for t in got)
-      assert all("2 rounds" in t.rule for t in got)
-      assert autotune._group_timer(compiled, args, 1, 0) is None  # pylint: disable=protected-access
-    finally:
-      flags.FLAGS.unparse_flags()
+  with helpers.parsed_script("autotune", ["--iterations=3", "--warmup=0"]) as autotune:
+    args = (jnp.ones((8, 8)),)
+    recs = [{"label": "a"}, {"label": "b"}]
+    compiled = {id(r): jax.jit(fn).lower(*args).compile()
+                for r, fn in zip(recs, (lambda a: a + 1, lambda a: a @ a))}
+    got = autotune._group_timer(compiled, args, 1, 2)(recs)  # pylint: disable=protected-access
+    assert len(got) == 2 and all(len(t.times_us) == 6 for t in got)
+    assert all("2 rounds" in t.rule for t in got)
+    assert autotune._group_timer(compiled, args, 1, 0) is None  # pylint: disable=protected-access
 
 
 def test_autotune_single_gpu_decides_like_multi_gpu(monkeypatch):
@@ -882,28 +876,23 @@ def test_autotune_single_gpu_decides_like_multi_gpu(monkeypatch):
   from pallas_rs.bench import shapes  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(fused, "local_matmul", lambda x, w, config=None: jnp.dot(
       x, w, preferred_element_type=jnp.float32).astype(x.dtype))
-  with helpers.script("autotune") as autotune:
-    try:
-      flags.FLAGS.unparse_flags()
-      flags.FLAGS(["autotune.py", "--iterations=3", "--warmup=0", "--max_configs=2",
-                   "--noloopback", "--confirm_rounds=2"])
-      case = shapes.custom_case(128, 256, 256, 1)
-      records, entries = autotune.tune_single_gpu(case, {"device_kind": H200})
-      xla, fused_recs = records[0], records[1:]
-      assert xla["label"] == "xla_dot" and len(fused_recs) == 2
-      assert all(r["status"] == "ok" for r in records)
-      for r in (xla, fused_recs[0]):  # retimed: 2 rounds x 3 calls, the pass's 3 kept
-        assert len(r["times_us"]) == 6 and len(r["pass_times_us"]) == 3
-        assert "2 rounds" in r["timing_rule"]
-      (entry,) = entries
-      assert entry["times_us"]["xla"] == xla["times_us"]
-      assert "decided on 2 x 3 iterations" in entry["measured_with"]
-      flags.FLAGS.confirm_rounds = 0
-      records, entries = autotune.tune_single_gpu(case, {"device_kind": H200})
-      assert all("pass_times_us" not in r for r in records)
-      assert "one pass of 3 iterations each decides" in entries[0]["measured_with"]
-    finally:
-      flags.FLAGS.unparse_flags()
+  with helpers.parsed_script("autotune", ["--iterations=3", "--warmup=0", "--max_configs=2",
+                                          "--noloopback", "--confirm_rounds=2"]) as autotune:
+    case = shapes.custom_case(128, 256, 256, 1)
+    records, entries = autotune.tune_single_gpu(case, {"device_kind": H200})
+    xla, fused_recs = records[0], records[1:]
+    assert xla["label"] == "xla_dot" and len(fused_recs) == 2
+    assert all(r["status"] == "ok" for r in records)
+    for r in (xla, fused_recs[0]):  # retimed: 2 rounds x 3 calls, the pass's 3 kept
+      assert len(r["times_us"]) == 6 and len(r["pass_times_us"]) == 3
+      assert "2 rounds" in r["timing_rule"]
+    (entry,) = entries
+    assert entry["times_us"]["xla"] == xla["times_us"]
+    assert "decided on 2 x 3 iterations" in entry["measured_with"]
+    flags.FLAGS.confirm_rounds = 0
+    records, entries = autotune.tune_single_gpu(case, {"device_kind": H200})
+    assert all("pass_times_us" not in r for r in records)
+    assert "one pass of 3 iterations each decides" in entries[0]["measured_with"]
 
 
 def test_autotune_stops_on_a_baseline_it_cannot_judge_against():
