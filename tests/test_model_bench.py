@@ -150,8 +150,7 @@ def test_model_bench_a_nan_gradient_fails_the_check(tmp_path):
 def test_model_bench_table_says_when_a_check_failed():
   """A record that ran ("ok") but failed its check against "xla" reads CHECK FAILED in the
   table, not ok."""
-  mod = helpers.load_script("model_bench")
-  try:
+  with helpers.script("model_bench") as mod:
     rec = {"shape": {"m": 64, "num_devices": 8}, "pass": "forward", "implementation": "auto",
            "status": "ok", "timing": {"stats": {"median": 5.0}}, "metrics": None,
            "check": {"max_rel_error": 0.5, "tolerance": 3e-2, "passed": False}}
@@ -159,5 +158,3 @@ def test_model_bench_table_says_when_a_check_failed():
     bad_row, good_row = mod.format_table([rec, good]).splitlines()[1:]
     assert bad_row.rstrip().endswith("CHECK FAILED"), bad_row
     assert good_row.rstrip().endswith("ok"), good_row
-  finally:
-    helpers.forget_scripts("model_bench")

@@ -1025,8 +1025,7 @@ def test_script_nan_errors_break_the_rule_not_keep_it():
   script's rows count it over the bound, and the verdict is False."""
   from absl import flags  # pylint: disable=g-import-not-at-top
   import helpers  # pylint: disable=g-import-not-at-top
-  mod = helpers.load_script("numerics")
-  try:
+  with helpers.script("numerics") as mod:
     if not flags.FLAGS.is_parsed():
       flags.FLAGS.mark_as_parsed()
     n, md = nm.MIN_RULE_INPUTS, "bf16_partials"
@@ -1052,5 +1051,3 @@ def test_script_nan_errors_break_the_rule_not_keep_it():
     v = jax.device_put(v, sharding)
     assert float(jax.jit(mod._abs_max)(v)) == np.inf
     assert all(r["num_nan_ratio"] == 0 and r["max"] == 1.0 for r in rows[:-1])
-  finally:
-    helpers.forget_scripts("numerics")

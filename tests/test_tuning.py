@@ -749,8 +749,7 @@ def test_autotune_keeps_the_incumbent_within_the_margin():
   # only if it is faster by more than --margin (2026-12-01: 4 pulling CTAs "won" by 0.9% in
   # 20 iterations and measured slower in the 200-iteration sweep).
   import helpers  # pylint: disable=g-import-not-at-top
-  autotune = helpers.load_script("autotune")
-  try:
+  with helpers.script("autotune") as autotune:
     rec = lambda name, us, status="ok": {"name": name, "median_us": us, "status": status}
     near = [rec("incumbent", 3492.0), rec("p4", 3460.0), rec("broken", 1.0, "failed: x")]
     assert autotune._best(near, 0.02)["name"] == "incumbent"  # pylint: disable=protected-access
@@ -758,8 +757,6 @@ def test_autotune_keeps_the_incumbent_within_the_margin():
     far = [rec("incumbent", 837.0), rec("p4", 775.0)]
     assert autotune._best(far, 0.02)["name"] == "p4"  # pylint: disable=protected-access
     assert autotune._best([rec("x", 1.0, "unavailable: y")], 0.02) is None  # pylint: disable=protected-access
-  finally:
-    helpers.forget_scripts("autotune")
 
 
 def test_autotune_decides_on_times_taken_together():
@@ -768,8 +765,7 @@ def test_autotune_decides_on_times_taken_together():
   # times alone (2026-12-04: 4 of 9 order-retune winners, 2.5-6.8% in one pass of 20, showed
   # no gain in the 200-iteration sweep; a GPU's slow phases last 0.1-0.4 s).
   import helpers  # pylint: disable=g-import-not-at-top
-  autotune = helpers.load_script("autotune")
-  try:
+  with helpers.script("autotune") as autotune:
     decide = autotune._decide  # pylint: disable=protected-access
 
     def rec(name, times, status="ok", config=None):
@@ -818,8 +814,6 @@ def test_autotune_decides_on_times_taken_together():
     assert decide(xla, recs, None, 0.02)[0]["label"] == "lucky"
     assert decide(xla, [rec("x", [1.0], "smem")], time_group, 0.02) == (None, None)
     assert not groups
-  finally:
-    helpers.forget_scripts("autotune")
 
 
 def test_autotune_times_a_pulling_winners_fallback_with_it(monkeypatch):
@@ -827,8 +821,7 @@ def test_autotune_times_a_pulling_winners_fallback_with_it(monkeypatch):
   # (remote TMA loads need jax >= 0.11.2): it is timed in the same group, so its times compare
   # with XLA's like the winner's; without `fallbacks` (jax's all-gather matmul) there is none.
   import helpers  # pylint: disable=g-import-not-at-top
-  autotune = helpers.load_script("autotune")
-  try:
+  with helpers.script("autotune") as autotune:
     monkeypatch.setattr(autotune, "_reads_peers", lambda cfg: cfg == "pull")
 
     def rec(name, us, config):
@@ -848,8 +841,6 @@ def test_autotune_times_a_pulling_winners_fallback_with_it(monkeypatch):
     best, fallback = autotune._decide(  # pylint: disable=protected-access
         rec("xla", 120.0, None), recs, time_group, 0.02, fallbacks=False)
     assert best["label"] == "pull4" and fallback is None
-  finally:
-    helpers.forget_scripts("autotune")
 
 
 def test_autotune_times_a_group_in_rounds_on_its_executables():
@@ -900,8 +891,7 @@ def test_autotune_stops_on_a_baseline_it_cannot_judge_against():
   # times: a baseline that did not run or has no finite error stops the case with its reason
   # (it used to be a KeyError deep in the tuner, or every candidate "wrong" on a NaN).
   import helpers  # pylint: disable=g-import-not-at-top
-  autotune = helpers.load_script("autotune")
-  try:
+  with helpers.script("autotune") as autotune:
     good = {"label": "xla_seq", "status": "ok", "max_rel_error": 0.004, "times_us": [1.0]}
     assert autotune._baseline(good) is good  # pylint: disable=protected-access
     for bad, says in ((dict(good, status="smem", error="out of SMEM"), "out of SMEM"),
@@ -909,8 +899,6 @@ def test_autotune_stops_on_a_baseline_it_cannot_judge_against():
                       ({"label": "xla_seq", "status": "not_implemented", "error": "no"}, "no")):
       with pytest.raises(RuntimeError, match=f"'xla_seq' gave no usable result.*{says}"):
         autotune._baseline(bad)  # pylint: disable=protected-access
-  finally:
-    helpers.forget_scripts("autotune")
 
 
 def test_a_pull_entry_falls_back_to_its_measured_push_config(monkeypatch):
@@ -948,8 +936,7 @@ def test_autotune_times_a_pulling_entrys_fallback_beside_it(monkeypatch):
   # has a fallback measured in its own run (2026-12-01: the retune had dropped them).
   from absl import flags  # pylint: disable=g-import-not-at-top
   import helpers  # pylint: disable=g-import-not-at-top
-  autotune = helpers.load_script("autotune")
-  try:
+  with helpers.script("autotune") as autotune:
     if not flags.FLAGS.is_parsed():
       flags.FLAGS.mark_as_parsed()
     monkeypatch.setattr(platform, "device_kind", lambda: H200)
@@ -969,8 +956,6 @@ def test_autotune_times_a_pulling_entrys_fallback_beside_it(monkeypatch):
     # An entry that does not pull gets no extra candidate.
     with tuning.use_table(_table(_entry(8192, d=2, k_shard=4096, cfg=push))):
       assert all(c.comm_ctas == 0 for c in autotune.multi_gpu_candidates(**shape))
-  finally:
-    helpers.forget_scripts("autotune")
 
 
 def test_fallbacks_are_measured_wins_and_validated():
