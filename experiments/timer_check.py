@@ -20,8 +20,10 @@ per-iteration ratios B_i / A_i. Then --trace_calls calls of A alone, each call's
 how a call's time moves over a few seconds (in CUPTI sessions of at most
 --trace_session_calls calls: a session's held outputs slow its calls, BUILD_NOTES 2026-12-05).
 --ballast_mib holds device memory apart from the outputs throughout, to tell whether held
-memory slows the calls wherever it is or only as the calls' own outputs. JSON under --out; a
-table last.
+memory slows the calls wherever it is or only as the calls' own outputs. Each repeat of a
+method, and the trace, records the SM clock, power and clock-lowering reasons it ran at
+(`gpu_clocks`, nvidia-smi in the background): long sessions ran slower with the clock under the
+power cap (BUILD_NOTES, eighty-fourth session). JSON under --out; a table last.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ import sys
 import bench_env  # experiments/ is sys.path[0] when run as a script.
 import config_variants
 import flag_checks
+import gpu_clocks
 
 from absl import app
 from absl import flags
@@ -158,13 +161,16 @@ def compare(name: str, function: str, d: int) -> dict:
     row["kernel_config"] = _KERNEL_CONFIG.value
   for repeat in range(_REPEATS.value):
     for method in _METHODS.value:
-      got = alternating.time_alternating(
-          {"A": (a, args), "B": (b, args)}, iterations=_ITERS.value,
-          rounds=1 if method == "block" else _ROUNDS.value, num_devices=d,
-          interleave=method == "interleaved")
+      with gpu_clocks.sampled() as clocks:
+        got = alternating.time_alternating(
+            {"A": (a, args), "B": (b, args)}, iterations=_ITERS.value,
+            rounds=1 if method == "block" else _ROUNDS.value, num_devices=d,
+            interleave=method == "interleaved")
       ta, tb = got["A"], got["B"]
       entry = row["methods"].setdefault(method, {"ratio": [], "a_median_us": [],
-                                                 "paired_ratio": [], "rules": []})
+                                                 "paired_ratio": [], "rules": [],
+                                                 "clocks": []})
+      entry["clocks"].append(clocks.summary() or clocks.note)
       entry["ratio"].append(tb.median_us / ta.median_us)
       entry["a_median_us"].append(ta.median_us)
       entry["paired_ratio"].append(statistics.median(
@@ -183,13 +189,15 @@ def trace(compiled, args, d: int) -> dict:
   from pallas_rs.bench import timing  # pylint: disable=g-import-not-at-top
   total, per = _TRACE.value, _TRACE_SESSION.value or _TRACE.value
   times, rule = [], None
-  for calls in timing.round_iterations(total, -(-total // per)):
-    got = timing.time_function(compiled, args, iterations=calls, warmup=0, num_devices=d)
-    times += got.times_us
-    rule = rule or "; ".join([got.rule] + got.notes)
-  # A 56 us GEMM's trace slowed in steps as the session's held outputs grew (one H200 and
-  # one H100, BUILD_NOTES eighty-first and eighty-second sessions): the footprint goes with it.
+  with gpu_clocks.sampled() as clocks:
+    for calls in timing.round_iterations(total, -(-total // per)):
+      got = timing.time_function(compiled, args, iterations=calls, warmup=0, num_devices=d)
+      times += got.times_us
+      rule = rule or "; ".join([got.rule] + got.notes)
+  # A 56 us GEMM's trace slowed in steps as one session went on, and the SM clock with it
+  # (one H100, BUILD_NOTES eighty-second to eighty-fourth sessions): footprint and clock go with it.
   return {"trace_us": times, "trace_rule": rule,
+          "trace_clocks": clocks.summary() or clocks.note,
           "trace_session_calls": _TRACE_SESSION.value or None,
           "output_bytes_per_call": timing.output_bytes(compiled)}
 
@@ -203,13 +211,14 @@ def summary(row: dict) -> list[list[str]]:
     out.append([row["name"], row["function"], method, fmt(statistics.mean(e["ratio"]), ".4f"),
                 fmt(statistics.pstdev(e["ratio"]), ".4f"), fmt(max(dev), ".4f"),
                 fmt(statistics.mean(e["paired_ratio"]), ".4f"),
-                fmt(statistics.mean(e["a_median_us"]), ".1f")])
+                fmt(statistics.mean(e["a_median_us"]), ".1f"),
+                "; ".join(gpu_clocks.busy_mhz(c) for c in e.get("clocks", []))])
   if "trace_us" in row:
     t = row["trace_us"]
     blocks = [statistics.mean(t[i:i + 50]) for i in range(0, len(t) - 49, 50)]
     out.append([row["name"], row["function"], f"trace {len(t)} calls", "", "", "",
                 f"blocks of 50: {min(blocks):.1f}-{max(blocks):.1f} us",
-                fmt(statistics.median(t), ".1f")])
+                fmt(statistics.median(t), ".1f"), gpu_clocks.busy_mhz(row.get("trace_clocks"))])
   return out
 
 
@@ -242,8 +251,9 @@ def main(argv):
       print(f"{name} {function}: done", flush=True)
   del ballast
   print(f"\nwrote {out}\n")
-  print("| case | function | method | B/A mean | sd | max abs(1 - B/A) | paired B/A | A us |")
-  print("|---|---|---|---|---|---|---|---|")
+  print("| case | function | method | B/A mean | sd | max abs(1 - B/A) | paired B/A | A us "
+        "| SM MHz (busy median, per repeat) |")
+  print("|---|---|---|---|---|---|---|---|---|")
   for cells in table:
     print("| " + " | ".join(cells) + " |")
   return 0

@@ -1,0 +1,132 @@
+"""The GPUs' SM clock, power and clock-event reasons while a block of work runs: `nvidia-smi`
+sampled in the background (read only; nothing about the GPU is set).
+
+Why: long CUPTI sessions of calls back to back ran 5-17% slower than short ones because the SM
+clock fell under the power cap (one H100, BUILD_NOTES 2026-12-05, eighty-fourth session: median
+1575 against 1965 MHz), so a timing means little without the clock it ran at.
+
+  with gpu_clocks.sampled() as log:
+    ...                                   # timed work
+  log.summary()                           # per GPU: busy samples, SM clock, power, reasons
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import shutil
+import statistics
+import subprocess
+import tempfile
+
+# nvidia-smi's clocks_event_reasons bits that lower the clock under load.
+REASONS = {0x4: "sw_power_cap", 0x8: "hw_slowdown", 0x20: "sw_thermal", 0x40: "hw_thermal",
+           0x80: "hw_power_brake"}
+_FIELDS = ("index", "timestamp", "clocks.sm", "power.draw", "utilization.gpu")
+# Renamed from clocks_throttle_reasons.active in newer drivers; either is asked for.
+_REASON_FIELDS = ("clocks_event_reasons.active", "clocks_throttle_reasons.active")
+BUSY_PERCENT = 50
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+  gpu: int
+  timestamp: str
+  sm_mhz: float
+  power_w: float
+  utilization: float
+  reasons: int
+
+
+@dataclasses.dataclass
+class ClockLog:
+  """What `sampled` saw: `samples` once the block has ended, or `note` saying why none."""
+  samples: list[Sample] = dataclasses.field(default_factory=list)
+  note: str | None = None
+
+  def summary(self, busy_percent: int = BUSY_PERCENT) -> dict | None:
+    """Per GPU (str index): samples, busy samples (utilization >= `busy_percent`), and over
+    the busy ones the SM clock's median and min (MHz), the median power (W) and how many
+    carried each clock-lowering reason. None where nothing was sampled."""
+    if not self.samples:
+      return None
+    out = {}
+    for gpu in sorted({s.gpu for s in self.samples}):
+      mine = [s for s in self.samples if s.gpu == gpu]
+      busy = [s for s in mine if s.utilization >= busy_percent]
+      entry = {"samples": len(mine), "busy_samples": len(busy)}
+      if busy:
+        clocks = [s.sm_mhz for s in busy]
+        entry.update(sm_mhz_median=statistics.median(clocks), sm_mhz_min=min(clocks),
+                     power_w_median=statistics.median(s.power_w for s in busy),
+                     reasons={name: sum(1 for s in busy if s.reasons & bit)
+                              for bit, name in REASONS.items()})
+      out[str(gpu)] = entry
+    return out
+
+
+def busy_mhz(summary: dict | str | None) -> str:
+  """A table cell: each GPU's busy median SM clock, MHz ("1965" or "1965, 1950"); "-" where
+  nothing busy was sampled (a `ClockLog.note` or None)."""
+  if not isinstance(summary, dict):
+    return "-"
+  cells = [f"{e['sm_mhz_median']:.0f}" for e in summary.values() if "sm_mhz_median" in e]
+  return ", ".join(cells) or "-"
+
+
+def parse(text: str) -> list[Sample]:
+  """Samples from nvidia-smi's `--format=csv,noheader,nounits` lines of `_FIELDS` + reasons;
+  lines that do not parse (a field "[N/A]", a cut last line) are skipped."""
+  samples = []
+  for line in text.splitlines():
+    cells = [c.strip() for c in line.split(",")]
+    if len(cells) != len(_FIELDS) + 1:
+      continue
+    try:
+      samples.append(Sample(gpu=int(cells[0]), timestamp=cells[1], sm_mhz=float(cells[2]),
+                            power_w=float(cells[3]), utilization=float(cells[4]),
+                            reasons=int(cells[5], 16)))
+    except ValueError:
+      continue
+  return samples
+
+
+def _query(smi: str) -> list[str] | None:
+  """The nvidia-smi command line with the reasons field this driver knows, or None."""
+  for reasons in _REASON_FIELDS:
+    cmd = [smi, f"--query-gpu={','.join(_FIELDS + (reasons,))}",
+           "--format=csv,noheader,nounits"]
+    try:
+      if subprocess.run(cmd, capture_output=True, timeout=30, check=False).returncode == 0:
+        return cmd
+    except (OSError, subprocess.SubprocessError):
+      return None
+  return None
+
+
+@contextlib.contextmanager
+def sampled(period_ms: int = 50, smi: str = "nvidia-smi"):
+  """Yields a ClockLog, filled when the block ends: every `period_ms` ms of it sampled. Where
+  nvidia-smi is missing or refuses the query, the log stays empty and says why (`note`)."""
+  log = ClockLog()
+  path = shutil.which(smi)
+  cmd = _query(path) if path else None
+  if cmd is None:
+    log.note = f"{smi} not found" if path is None else f"{smi} refused the clock query"
+    yield log
+    return
+  with tempfile.TemporaryFile(mode="w+") as buf:
+    proc = subprocess.Popen([*cmd, "-lms", str(period_ms)], stdout=buf,
+                            stderr=subprocess.DEVNULL)
+    try:
+      yield log
+    finally:
+      proc.terminate()
+      try:
+        proc.wait(timeout=10)
+      except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+      buf.seek(0)
+      log.samples = parse(buf.read())
+      if not log.samples:
+        log.note = f"{smi} gave no sample"
