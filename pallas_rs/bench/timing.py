@@ -181,11 +181,12 @@ def time_function(fn: Callable[..., Any], args: Sequence[Any], *,
 
 # Outputs that timed calls may hold at once, per device: profiler.measure keeps every call's
 # outputs until its session ends. Beyond memory (a loopback D = 8 output at M = 32768 is 4.3 GB:
-# 200 calls would not fit an H200), held outputs slow the calls themselves: a 56 us GEMM with
-# 6 MiB outputs traced over 2000 calls in one session stepped up ~10% after ~3.6 GiB held, and
-# was flat in sessions of 100 calls (600 MiB); a 1.5 ms GEMM ran 5-12% slower in sessions of up to
-# 16 GiB than of 512 MiB (one H100, BUILD_NOTES, eighty-second session; 9-16% on one H200,
-# eighty-third). Up to 32 GiB held apart from the timed calls cost nothing: the outputs they write do.
+# 200 calls would not fit an H200), a session that holds GiB is a long run of calls back to back,
+# and those run slower: a 56 us GEMM with 6 MiB outputs traced over 2000 calls in one session
+# stepped up ~10%, and was flat in sessions of 100 calls (600 MiB); a 1.5 ms GEMM ran 5-12% slower
+# in sessions of up to 16 GiB than of 512 MiB (one H100, BUILD_NOTES, eighty-second session; 9-16%
+# on one H200, eighty-third), its SM clock down from 1965 to a median 1575 MHz under the power cap
+# (eighty-fourth). Up to 32 GiB held apart from the timed calls, adding no busy time, cost nothing.
 MAX_OUTPUT_BYTES_IN_FLIGHT = 512 << 20
 
 
