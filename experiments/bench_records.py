@@ -73,6 +73,8 @@ def validate_record(record: dict[str, Any]) -> None:
       ratios; None when a needed time is missing.
     estimates: metrics.roofline_estimates (labelled estimates) or None.
     notes: list of strings.
+    clocks (GPU modes, optional): the SM clock, power and clock-lowering reasons sampled
+      while the record's shape ran (gpu_clocks.ClockLog.summary, per GPU), or why none.
   """
   if not isinstance(record, dict):
     raise ValueError(f"record must be a dict, got {type(record).__name__}")

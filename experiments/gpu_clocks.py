@@ -103,30 +103,71 @@ def _query(smi: str) -> list[str] | None:
   return None
 
 
+class Sampler:
+  """nvidia-smi run in the background from `start` to `stop`, which returns what it saw (a
+  ClockLog); start again for the next block. Where nvidia-smi is missing or refuses the query,
+  the logs stay empty and say why (`note`)."""
+
+  def __init__(self, period_ms: int = 50, smi: str = "nvidia-smi"):
+    self._period_ms = period_ms
+    self._smi = smi
+    path = shutil.which(smi)
+    self._cmd = _query(path) if path else None
+    self._note = (None if self._cmd else f"{smi} not found" if path is None
+                  else f"{smi} refused the clock query")
+    self._proc = None
+    self._buf = None
+
+  def start(self) -> None:
+    if self._proc is not None:
+      raise RuntimeError("the sampler is already running")
+    if self._cmd is None:
+      return
+    self._buf = tempfile.TemporaryFile(mode="w+")  # pylint: disable=consider-using-with
+    self._proc = subprocess.Popen(  # pylint: disable=consider-using-with
+        [*self._cmd, "-lms", str(self._period_ms)], stdout=self._buf,
+        stderr=subprocess.DEVNULL)
+
+  def stop(self) -> ClockLog:
+    if self._proc is None:
+      return ClockLog(note=self._note or "the sampler was not started")
+    self._proc.terminate()
+    try:
+      self._proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+      self._proc.kill()
+      self._proc.wait()
+    self._buf.seek(0)
+    log = ClockLog(samples=parse(self._buf.read()))
+    self._buf.close()
+    self._proc = self._buf = None
+    if not log.samples:
+      log.note = f"{self._smi} gave no sample"
+    return log
+
+
+def attach(records: list[dict], sampler: Sampler | None) -> None:
+  """Each record gets `clocks`: what `sampler` (running; None attaches nothing) saw since it
+  started, per GPU (`ClockLog.summary`) or why there is nothing; the sampler starts again for
+  the next block (matmul_rs_bench: one shape's records)."""
+  if sampler is None:
+    return
+  log = sampler.stop()
+  sampler.start()
+  summary = log.summary() or log.note
+  for record in records:
+    record["clocks"] = summary
+
+
 @contextlib.contextmanager
 def sampled(period_ms: int = 50, smi: str = "nvidia-smi"):
-  """Yields a ClockLog, filled when the block ends: every `period_ms` ms of it sampled. Where
-  nvidia-smi is missing or refuses the query, the log stays empty and says why (`note`)."""
+  """Yields a ClockLog, filled when the block ends: every `period_ms` ms of it sampled (or,
+  where nvidia-smi cannot, empty with a `note` saying why)."""
   log = ClockLog()
-  path = shutil.which(smi)
-  cmd = _query(path) if path else None
-  if cmd is None:
-    log.note = f"{smi} not found" if path is None else f"{smi} refused the clock query"
+  sampler = Sampler(period_ms, smi)
+  sampler.start()
+  try:
     yield log
-    return
-  with tempfile.TemporaryFile(mode="w+") as buf:
-    proc = subprocess.Popen([*cmd, "-lms", str(period_ms)], stdout=buf,
-                            stderr=subprocess.DEVNULL)
-    try:
-      yield log
-    finally:
-      proc.terminate()
-      try:
-        proc.wait(timeout=10)
-      except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-      buf.seek(0)
-      log.samples = parse(buf.read())
-      if not log.samples:
-        log.note = f"{smi} gave no sample"
+  finally:
+    got = sampler.stop()
+    log.samples, log.note = got.samples, got.note

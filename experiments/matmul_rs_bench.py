@@ -72,6 +72,7 @@ from bench_records import validate_record
 from bench_records import validate_results
 from bench_records import WINDOWED_EINSUM_OPTION
 import flag_checks
+import gpu_clocks
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 # No jax (nor pallas_rs or harness, which import jax) at module level: XLA_FLAGS (smoke's
@@ -243,8 +244,13 @@ def main(argv: Sequence[str]) -> int:
       "records": records,
   }
 
+  # The SM clock each shape's timings ran at: long runs fall under the power cap (BUILD_NOTES,
+  # eighty-fourth session). Not in smoke mode (no GPU claims).
+  clocks = gpu_clocks.Sampler() if mode != "smoke" else None
+
   def on_shape(shape_records):
     """Progress line, then the JSON rewritten with every record so far."""
+    gpu_clocks.attach(shape_records, clocks)
     shape_records = [sanitize(r) for r in shape_records]
     for r in shape_records:
       validate_record(r)
@@ -257,12 +263,18 @@ def main(argv: Sequence[str]) -> int:
     on_shape.done += 1
 
   on_shape.done = 0
-  if mode == "single_gpu":
-    harness.sweep_single_gpu(cases, loopback_devices=sorted({8, FLAGS.num_devices or 8}),
-                             settings=settings, on_shape=on_shape)
-  else:
-    harness.sweep_sharded(mode, cases, implementations, devices=devices,
-                          xla_peer=FLAGS.xla_peer, settings=settings, on_shape=on_shape)
+  if clocks is not None:
+    clocks.start()
+  try:
+    if mode == "single_gpu":
+      harness.sweep_single_gpu(cases, loopback_devices=sorted({8, FLAGS.num_devices or 8}),
+                               settings=settings, on_shape=on_shape)
+    else:
+      harness.sweep_sharded(mode, cases, implementations, devices=devices,
+                            xla_peer=FLAGS.xla_peer, settings=settings, on_shape=on_shape)
+  finally:
+    if clocks is not None:
+      clocks.stop()
   doc["wall_s"] = time.perf_counter() - start
   doc["complete"] = True
   validate_results(doc)

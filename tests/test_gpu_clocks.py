@@ -3,6 +3,8 @@ background sampler run against a stand-in nvidia-smi (no GPU here)."""
 import stat
 import time
 
+import pytest
+
 import helpers
 
 LINE = "{gpu}, 2026/12/05 21:36:2{gpu}.879, {mhz}, {watts}, {util}, {reasons}"
@@ -72,3 +74,26 @@ def test_sampled_says_why_it_has_nothing(tmp_path):
     with gc.sampled(smi=str(refusing)) as log:
       pass
     assert log.note.endswith("refused the clock query") and log.summary() is None
+
+
+def test_a_sampler_restarts_for_each_block_and_its_records_get_the_clock(tmp_path):
+  # matmul_rs_bench gives each shape's records the clock seen since the previous shape.
+  with helpers.script("gpu_clocks") as gc:
+    sampler = gc.Sampler(period_ms=10, smi=_fake_smi(tmp_path))
+    sampler.start()
+    with pytest.raises(RuntimeError, match="already running"):
+      sampler.start()
+    for _ in range(2):
+      time.sleep(0.2)
+      records = [{"implementation": "fused"}, {"implementation": "xla"}]
+      gc.attach(records, sampler)
+      assert records[0]["clocks"] is records[1]["clocks"]
+      assert records[0]["clocks"]["0"]["sm_mhz_median"] == 1575
+    assert sampler.stop().samples  # running again after the last attach
+    assert sampler.stop().note == "the sampler was not started"
+    records = [{}]
+    gc.attach(records, None)  # smoke mode: nothing sampled, nothing attached
+    assert records == [{}]
+    missing = gc.Sampler(smi=str(tmp_path / "absent"))
+    missing.start()
+    assert missing.stop().note.endswith("not found")
