@@ -1,5 +1,6 @@
 """experiments/gpu_clocks.py: nvidia-smi's samples parsed and summarised per GPU, and the
 background sampler run against a stand-in nvidia-smi (no GPU here)."""
+import pathlib
 import stat
 import time
 
@@ -19,10 +20,24 @@ def _fake_smi(tmp_path, *, old_driver=False):
   refuse = 'case "$*" in *clocks_event_reasons*) exit 6;; esac\n' if old_driver else ""
   path.write_text("#!/bin/sh\n" + refuse +
                   'case "$*" in *-lms*) while true; do\n'
-                  f'  echo "{busy}"; echo "{idle}"; sleep 0.01; done;; esac\n'
+                  f'  echo "{busy}"; echo "{idle}"; touch "$0.sampled"; sleep 0.01; done;; esac\n'
                   f'echo "{busy}"\n')
   path.chmod(path.stat().st_mode | stat.S_IXUSR)
   return str(path)
+
+
+def _wait_for_a_sample(smi):
+  """Until the stand-in has printed a sample (a busy CI host may take a while to start it);
+  the caller stops it, then `_forget_samples`."""
+  marker = pathlib.Path(smi + ".sampled")
+  deadline = time.monotonic() + 30
+  while not marker.exists():
+    assert time.monotonic() < deadline, "the stand-in nvidia-smi printed nothing in 30 s"
+    time.sleep(0.01)
+
+
+def _forget_samples(smi):
+  pathlib.Path(smi + ".sampled").unlink(missing_ok=True)
 
 
 def test_parse_and_summary_per_gpu():
@@ -56,7 +71,8 @@ def test_sampled_reads_a_running_nvidia_smi(tmp_path):
       smi = _fake_smi(tmp_path, old_driver=old_driver)
       with gc.sampled(period_ms=10, smi=smi) as log:
         assert not log.samples  # filled when the block ends
-        time.sleep(0.3)
+        _wait_for_a_sample(smi)
+      _forget_samples(smi)
       assert log.note is None and log.samples, (old_driver, log)
       got = log.summary()
       assert got["0"]["sm_mhz_median"] == 1575 and got["0"]["reasons"]["sw_power_cap"] > 0
@@ -79,16 +95,19 @@ def test_sampled_says_why_it_has_nothing(tmp_path):
 def test_a_sampler_restarts_for_each_block_and_its_records_get_the_clock(tmp_path):
   # matmul_rs_bench gives each shape's records the clock seen since the previous shape.
   with helpers.script("gpu_clocks") as gc:
-    sampler = gc.Sampler(period_ms=10, smi=_fake_smi(tmp_path))
+    smi = _fake_smi(tmp_path)
+    sampler = gc.Sampler(period_ms=10, smi=smi)
     sampler.start()
     with pytest.raises(RuntimeError, match="already running"):
       sampler.start()
     for _ in range(2):
-      time.sleep(0.2)
+      _wait_for_a_sample(smi)
       records = [{"implementation": "fused"}, {"implementation": "xla"}]
       gc.attach(records, sampler)
+      _forget_samples(smi)
       assert records[0]["clocks"] is records[1]["clocks"]
       assert records[0]["clocks"]["0"]["sm_mhz_median"] == 1575
+    _wait_for_a_sample(smi)
     assert sampler.stop().samples  # running again after the last attach
     assert sampler.stop().note == "the sampler was not started"
     records = [{}]
