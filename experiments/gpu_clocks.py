@@ -1,8 +1,8 @@
 """The GPUs' SM clock, power and clock-event reasons while a block of work runs: `nvidia-smi`
 sampled in the background (read only; nothing about the GPU is set).
 
-Why: long CUPTI sessions of calls back to back ran 5-17% slower than short ones because the SM
-clock fell under the power cap (one H100, BUILD_NOTES 2026-12-05, eighty-fourth session: median
+Why: long CUPTI sessions of calls back to back ran 5-17% slower than short ones, with the SM
+clock down under the power cap (one H100, BUILD_NOTES 2026-12-05, eighty-fourth session: median
 1575 against 1965 MHz), so a timing means little without the clock it ran at.
 
   with gpu_clocks.sampled() as log:
@@ -39,7 +39,8 @@ class Sample:
 
 @dataclasses.dataclass
 class ClockLog:
-  """What `sampled` saw: `samples` once the block has ended, or `note` saying why none."""
+  """What `sampled` or a `Sampler` saw: `samples` once the block has ended, or `note` saying
+  why there are none."""
   samples: list[Sample] = dataclasses.field(default_factory=list)
   note: str | None = None
 
