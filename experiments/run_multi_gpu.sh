@@ -46,9 +46,11 @@ case "${1:-check}" in
     timeout 300 python3 experiments/timer_check.py --num_devices=2 --functions=gemm,seq \
       --names=llama70b_down_proj_m8192,mixtral8x22b_o_proj_m512 \
       --out="$out/timer_check_2gpu.json" 2>&1 | quiet | tail -20
-    # Held outputs, the unfused and the fused path: sessions of up to 512 MiB, 16 GiB (the limit
-    # before 2026-12-05), 512 MiB; 2 rounds, so a 16 GiB session holds 6.4-12.8 GiB. On one H100
-    # at D = 1 they cost the kernel more than XLA's dot (eighty-third session); at D = 2?
+    # Long sessions, the unfused and the fused path: sessions of up to 512 MiB, 16 GiB (the limit
+    # before 2026-12-05), 512 MiB of outputs; 2 rounds, so a 16 GiB session holds 6.4-12.8 GiB,
+    # a long run of calls back to back. On one H100 at D = 1 they cost the kernel more than XLA's
+    # dot, with the SM clock under the power cap (eighty-third, eighty-fourth sessions); at D = 2?
+    # Each method's clock is in the JSON (gpu_clocks).
     i=0
     for lim in 512 16384 512; do
       i=$((i + 1))
