@@ -18,7 +18,7 @@ D = 1 on the same GEMM, `fused.local_matmul`, one GPU), --repeats times per meth
 Per repeat: median(B) / median(A), A's median, and (interleaved) the median of the
 per-iteration ratios B_i / A_i. Then --trace_calls calls of A alone, each call's time kept:
 how a call's time moves over a few seconds (in CUPTI sessions of at most
---trace_session_calls calls: a session's held outputs slow its calls, BUILD_NOTES 2026-12-05).
+--trace_session_calls calls: a long session slows its calls, BUILD_NOTES 2026-12-05).
 --ballast_mib holds device memory apart from the outputs throughout, to tell whether held
 memory slows the calls wherever it is or only as the calls' own outputs. Each repeat of a
 method, and the trace, records the SM clock, power and clock-lowering reasons it ran at
@@ -212,7 +212,7 @@ def summary(row: dict) -> list[list[str]]:
                 fmt(statistics.pstdev(e["ratio"]), ".4f"), fmt(max(dev), ".4f"),
                 fmt(statistics.mean(e["paired_ratio"]), ".4f"),
                 fmt(statistics.mean(e["a_median_us"]), ".1f"),
-                "; ".join(gpu_clocks.busy_mhz(c) for c in e.get("clocks", []))])
+                "; ".join(gpu_clocks.busy_mhz(c) for c in e["clocks"])])
   if "trace_us" in row:
     t = row["trace_us"]
     blocks = [statistics.mean(t[i:i + 50]) for i in range(0, len(t) - 49, 50)]
