@@ -44,6 +44,10 @@ class ClockLog:
   samples: list[Sample] = dataclasses.field(default_factory=list)
   note: str | None = None
 
+  def result(self) -> dict | str | None:
+    """What a JSON record keeps: the `summary`, or the `note` saying why there is none."""
+    return self.summary() or self.note
+
   def summary(self, busy_percent: int = BUSY_PERCENT) -> dict | None:
     """Per GPU (str index): samples, busy samples (utilization >= `busy_percent`), and over
     the busy ones the SM clock's median and min (MHz), the median power (W) and how many
@@ -155,9 +159,9 @@ def attach(records: list[dict], sampler: Sampler | None) -> None:
     return
   log = sampler.stop()
   sampler.start()
-  summary = log.summary() or log.note
+  result = log.result()
   for record in records:
-    record["clocks"] = summary
+    record["clocks"] = result
 
 
 @contextlib.contextmanager

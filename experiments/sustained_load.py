@@ -18,6 +18,7 @@ import sys
 
 import bench_env  # experiments/ is sys.path[0] when run as a script.
 import config_variants
+import flag_checks
 import gpu_clocks
 
 from absl import app
@@ -35,17 +36,11 @@ _OUT = flags.DEFINE_string("out", "", "JSON path; default experiments/out/sustai
 
 def check_flags() -> None:
   """UsageError for a bad value, before jax starts."""
-  try:
-    steps = [int(s) for s in _STEPS.value]
-  except ValueError as e:
-    raise app.UsageError(f"--steps={','.join(_STEPS.value)}: integers, please") from e
-  for name, values in (("steps", steps), ("iterations", [_ITERS.value]), ("m", [_M.value]),
-                       ("k", [_K.value])):
-    if not values or min(values) < 1:
-      raise app.UsageError(f"--{name}: every value must be >= 1, got {values}")
-  unknown = sorted(set(_FUNCTIONS.value) - set(FUNCTIONS))
-  if unknown:
-    raise app.UsageError(f"--functions: not one of {FUNCTIONS}: {unknown}")
+  flag_checks.positive_ints("steps", _STEPS.value)
+  flag_checks.positive_ints("iterations", [_ITERS.value])
+  flag_checks.positive_ints("m", [_M.value])
+  flag_checks.positive_ints("k", [_K.value])
+  flag_checks.subset("functions", _FUNCTIONS.value, FUNCTIONS)
 
 
 def chain(function: str, steps: int):
@@ -62,16 +57,6 @@ def chain(function: str, steps: int):
   return jax.jit(lambda x, w: jax.lax.fori_loop(0, steps, lambda i, c: gemm(c, w), x))
 
 
-def inputs():
-  """x [m, k] ~ N(0, 1) and w [k, k] ~ N(0, 1 / k), bf16: the chain keeps its scale."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  kx, kw = jax.random.split(jax.random.key(0))
-  x = jax.random.normal(kx, (_M.value, _K.value), jnp.float32).astype(jnp.bfloat16)
-  w = (jax.random.normal(kw, (_K.value, _K.value), jnp.float32) * _K.value ** -0.5)
-  return x, w.astype(jnp.bfloat16)
-
-
 def run_case(function: str, steps: int, args) -> dict:
   from pallas_rs.bench import timing  # pylint: disable=g-import-not-at-top
   compiled, compile_s = timing.compile_function(chain(function, steps), args)
@@ -81,7 +66,7 @@ def run_case(function: str, steps: int, args) -> dict:
   per_gemm = [t / steps for t in got.times_us]
   return {"function": function, "steps": steps, "times_us": got.times_us,
           "per_gemm_median_us": statistics.median(per_gemm), "rule": got.rule,
-          "compile_s": compile_s, "clocks": clocks.summary() or clocks.note}
+          "compile_s": compile_s, "clocks": clocks.result()}
 
 
 def main(argv):
@@ -89,13 +74,15 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   check_flags()
   bench_env.configure_environment("single_gpu")
+  from pallas_rs.bench import testing  # pylint: disable=g-import-not-at-top
   from pallas_rs.bench import timing  # pylint: disable=g-import-not-at-top
   if timing.resolve_timer() != "cupti":
     raise app.UsageError("sustained_load.py times with CUPTI: it needs a GPU")
   out = Path(_OUT.value) if _OUT.value else bench_env.default_out("sustained_load.json")
   record = {"environment": bench_env.environment_block(sys.argv), "m": _M.value, "k": _K.value,
             "cases": []}
-  args = inputs()
+  # x ~ N(0, 1), w ~ N(0, 1 / k): the chain keeps its scale.
+  args = testing.generate(0, _M.value, _K.value, _K.value)
   for steps in (int(s) for s in _STEPS.value):
     for function in _FUNCTIONS.value:
       record["cases"].append(run_case(function, steps, args))

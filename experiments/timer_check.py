@@ -170,7 +170,7 @@ def compare(name: str, function: str, d: int) -> dict:
       entry = row["methods"].setdefault(method, {"ratio": [], "a_median_us": [],
                                                  "paired_ratio": [], "rules": [],
                                                  "clocks": []})
-      entry["clocks"].append(clocks.summary() or clocks.note)
+      entry["clocks"].append(clocks.result())
       entry["ratio"].append(tb.median_us / ta.median_us)
       entry["a_median_us"].append(ta.median_us)
       entry["paired_ratio"].append(statistics.median(
@@ -197,7 +197,7 @@ def trace(compiled, args, d: int) -> dict:
   # A 56 us GEMM's trace slowed in steps as one session went on, and the SM clock with it
   # (one H100, BUILD_NOTES eighty-second to eighty-fourth sessions): footprint and clock go with it.
   return {"trace_us": times, "trace_rule": rule,
-          "trace_clocks": clocks.summary() or clocks.note,
+          "trace_clocks": clocks.result(),
           "trace_session_calls": _TRACE_SESSION.value or None,
           "output_bytes_per_call": timing.output_bytes(compiled)}
 
