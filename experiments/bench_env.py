@@ -214,6 +214,15 @@ def write_json(path: Path, obj, *, allow_nan: bool = True) -> None:
 MAX_ERROR_RATIO = 1.1
 
 
+def require_cupti(script: str) -> None:
+  """UsageError unless the timer resolves to CUPTI: for scripts that measure the GPU's timer or
+  clock, whose host-timer numbers would mean nothing. Imports jax: call it after
+  `configure_environment`."""
+  from pallas_rs.bench import timing  # pylint: disable=g-import-not-at-top
+  if timing.resolve_timer() != "cupti":
+    raise app.UsageError(f"{script} times with CUPTI: it needs a GPU")
+
+
 def rule_holds(err: float, err_unfused: float, max_ratio: float = MAX_ERROR_RATIO,
                slack: float = 0.0) -> bool:
   """The error rule (`slack`: an absolute allowance, for tuners that compare tiny errors);

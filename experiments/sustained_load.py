@@ -75,9 +75,7 @@ def main(argv):
   check_flags()
   bench_env.configure_environment("single_gpu")
   from pallas_rs.bench import testing  # pylint: disable=g-import-not-at-top
-  from pallas_rs.bench import timing  # pylint: disable=g-import-not-at-top
-  if timing.resolve_timer() != "cupti":
-    raise app.UsageError("sustained_load.py times with CUPTI: it needs a GPU")
+  bench_env.require_cupti("sustained_load.py")
   out = Path(_OUT.value) if _OUT.value else bench_env.default_out("sustained_load.json")
   record = {"environment": bench_env.environment_block(sys.argv), "m": _M.value, "k": _K.value,
             "cases": []}

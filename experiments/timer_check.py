@@ -95,11 +95,6 @@ def check_flags() -> None:
                          "--num_devices=1")
 
 
-def require_cupti(timing) -> None:
-  if timing.resolve_timer() != "cupti":
-    raise app.UsageError("timer_check.py checks the CUPTI timer: it needs a GPU")
-
-
 def allocate_ballast(mib: int, d: int) -> list:
   """`mib` MiB written on each of the first `d` devices, ready; the caller keeps them live."""
   import jax  # pylint: disable=g-import-not-at-top
@@ -230,7 +225,7 @@ def main(argv):
   import jax  # pylint: disable=g-import-not-at-top
   from pallas_rs.bench import timing  # pylint: disable=g-import-not-at-top
 
-  require_cupti(timing)
+  bench_env.require_cupti("timer_check.py")
   if _SESSION_LIMIT.value:  # This process only: the script measures the limit's effect.
     timing.MAX_OUTPUT_BYTES_IN_FLIGHT = _SESSION_LIMIT.value << 20
   if len(jax.devices()) < _DEVICES.value:

@@ -10,9 +10,9 @@ import helpers
 
 
 def test_timer_check_refuses_a_cpu():
-  from pallas_rs.bench import timing  # pylint: disable=g-import-not-at-top
-  with helpers.script("timer_check") as mod, pytest.raises(app.UsageError, match="needs a GPU"):
-    mod.require_cupti(timing)
+  with (helpers.parsed_script("timer_check", []) as mod,
+        pytest.raises(app.UsageError, match="timer_check.py times with CUPTI: it needs a GPU")):
+    mod.main(["timer_check.py"])
 
 
 @pytest.mark.slow  # a subprocess with jax on 8 host devices: the slow layer (tests/conftest.py).
@@ -23,7 +23,7 @@ def test_timer_check_script_plumbing(tmp_path):
                          "--functions=gemm,seq", "--repeats=2", "--iterations=4", "--rounds=2",
                          "--trace_calls=100", "--trace_session_calls=40",
                          "--session_limit_mib=3", "--ballast_mib=2", f"--out={out}"],
-      stand_ins="", after_load="mod.require_cupti = lambda timing: None")
+      stand_ins="", after_load="mod.bench_env.require_cupti = lambda script: None")
   assert proc.returncode == 0, proc.stderr[-3000:]
   doc = json.loads(out.read_text())
   rows = doc["rows"]
