@@ -1023,11 +1023,8 @@ def test_script_device_modes_with_stand_in_kernel(tmp_path):
 def test_script_nan_errors_break_the_rule_not_keep_it():
   """A NaN fused error on one input of 1000 (per family) must not leave the rule "held": the
   script's rows count it over the bound, and the verdict is False."""
-  from absl import flags  # pylint: disable=g-import-not-at-top
   import helpers  # pylint: disable=g-import-not-at-top
-  with helpers.script("numerics") as mod:
-    if not flags.FLAGS.is_parsed():
-      flags.FLAGS.mark_as_parsed()
+  with helpers.parsed_script("numerics", []) as mod:
     n, md = nm.MIN_RULE_INPUTS, "bf16_partials"
     rows = []
     for fam in nm.FAMILIES:

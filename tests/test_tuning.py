@@ -936,9 +936,7 @@ def test_autotune_times_a_pulling_entrys_fallback_beside_it(monkeypatch):
   # has a fallback measured in its own run (2026-12-01: the retune had dropped them).
   from absl import flags  # pylint: disable=g-import-not-at-top
   import helpers  # pylint: disable=g-import-not-at-top
-  with helpers.script("autotune") as autotune:
-    if not flags.FLAGS.is_parsed():
-      flags.FLAGS.mark_as_parsed()
+  with helpers.parsed_script("autotune", []) as autotune:
     monkeypatch.setattr(platform, "device_kind", lambda: H200)
     monkeypatch.setattr(fused, "remote_tma_loads_supported", lambda: True)
     base = defaults.default_config(m=8192, n=N, k_shard=4096, num_devices=2)
