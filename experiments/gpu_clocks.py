@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import shutil
 import statistics
 import subprocess
@@ -95,6 +96,7 @@ def parse(text: str) -> list[Sample]:
   return samples
 
 
+@functools.cache  # One probe per nvidia-smi path and process, not one per sampled block.
 def _query(smi: str) -> list[str] | None:
   """The nvidia-smi command line with the reasons field this driver knows, or None."""
   for reasons in _REASON_FIELDS:

@@ -13,8 +13,9 @@ LINE = "{gpu}, 2026/12/05 21:36:2{gpu}.879, {mhz}, {watts}, {util}, {reasons}"
 
 def _fake_smi(tmp_path, *, old_driver=False):
   """A stand-in nvidia-smi: one sample for a query, samples until killed with -lms. With
-  `old_driver` it refuses clocks_event_reasons (its older name still works)."""
-  path = tmp_path / "nvidia-smi"
+  `old_driver` it refuses clocks_event_reasons (its older name still works). Each kind at its
+  own path: gpu_clocks probes the fields once per path."""
+  path = tmp_path / ("nvidia-smi-old" if old_driver else "nvidia-smi")
   busy = LINE.format(gpu=0, mhz=1575, watts=671.2, util=100, reasons="0x0000000000000004")
   idle = LINE.format(gpu=1, mhz=1980, watts=70.1, util=0, reasons="0x0000000000000001")
   refuse = 'case "$*" in *clocks_event_reasons*) exit 6;; esac\n' if old_driver else ""
