@@ -68,10 +68,6 @@ _ABLATIONS = flags.DEFINE_list("ablations", ["fused", "no_comm", "no_reduce", "n
                                f"Which of {list(VARIANTS)}.")
 
 
-def require_gpu(jax) -> None:
-  if jax.devices()[0].platform != "gpu":
-    raise app.UsageError("ablate.py times the fused Mosaic GPU kernel: it needs a Hopper GPU")
-
 
 def check_flags() -> None:
   """UsageError for a flag value that would fail later in the run (flag_checks)."""
@@ -95,7 +91,7 @@ def main(argv):
   from pallas_rs.bench import alternating  # pylint: disable=g-import-not-at-top
   from pallas_rs.bench import timing  # pylint: disable=g-import-not-at-top
 
-  require_gpu(jax)
+  bench_env.require_gpu("ablate.py", "times the fused Mosaic GPU kernel")
   gpus = jax.devices()
   nvlink = len(gpus) >= 2 and not _ALONE.value
   if _ALONE.value:

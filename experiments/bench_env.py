@@ -214,6 +214,14 @@ def write_json(path: Path, obj, *, allow_nan: bool = True) -> None:
 MAX_ERROR_RATIO = 1.1
 
 
+def require_gpu(script: str, what: str) -> None:
+  """UsageError unless jax's first device is a GPU, for scripts that run a Mosaic GPU kernel;
+  `what` says what `script` does with it. Imports jax: call it after `configure_environment`."""
+  import jax  # pylint: disable=g-import-not-at-top
+  if jax.devices()[0].platform != "gpu":
+    raise app.UsageError(f"{script} {what}: it needs a Hopper GPU")
+
+
 def require_cupti(script: str) -> None:
   """UsageError unless the timer resolves to CUPTI: for scripts that measure the GPU's timer or
   clock, whose host-timer numbers would mean nothing. Imports jax: call it after

@@ -121,9 +121,7 @@ def main(argv):
   except ValueError as e:
     raise app.UsageError(f"--cases: {e}") from e
   flag_checks.variant_names("cases", variants)
-  import jax  # pylint: disable=g-import-not-at-top
-  if jax.devices()[0].platform != "gpu":
-    raise app.UsageError("bit_hashes.py runs the kernel in loopback: it needs a Hopper GPU")
+  bench_env.require_gpu("bit_hashes.py", "runs the kernel in loopback")
   earlier = json.loads(Path(_COMPARE.value).read_text())["rows"] if _COMPARE.value else None
   out = Path(_OUT.value) if _OUT.value else bench_env.default_out("bit_hashes.json")
   record = dict(environment=bench_env.environment_block(sys.argv), rows=[])

@@ -57,10 +57,6 @@ def jax_config(hm, token: str, steps: int):
                          cluster_dimension=dim(cluster))
 
 
-def require_gpu(jax) -> None:
-  if jax.devices()[0].platform != "gpu":
-    raise app.UsageError("gemm_core.py times Mosaic GPU kernels: it needs a Hopper GPU")
-
 
 def jax_matmul(hm, config):
   params = inspect.signature(hm.matmul).parameters
@@ -93,7 +89,7 @@ def main(argv):
   from pallas_rs.kernel import config as config_lib  # pylint: disable=g-import-not-at-top
   from pallas_rs.kernel import fused  # pylint: disable=g-import-not-at-top
 
-  require_gpu(jax)
+  bench_env.require_gpu("gemm_core.py", "times Mosaic GPU kernels")
   out = Path(_OUT.value) if _OUT.value else bench_env.default_out("gemm_core.json")
   environment = bench_env.environment_block(sys.argv)
   rows = []

@@ -36,7 +36,7 @@ _PROXY = flags.DEFINE_list(
     "proxy", ["llama70b_o_proj_m8192", "mixtral8x22b_w2_m2048"],
     "Shapes also timed as their proxy8 case (k = K / 4: at D = 2 the k_shard of D = 8).")
 _VARIANTS = flags.DEFINE_list(
-    "variants", ["v1", "c2", "c4", "c8", "c16", "c4_f32", "direct_f32"],
+    "variants", ["v1", "c2", "c4", "c8", "c16", "c4_f32", "v1_f32"],
     "Config variants (config_variants.variant_config): v1, cN, pN, oN, tMxN, sK, f32/bf16, "
     "ring tokens, e.g. c4_bf16.")
 _ITERS = flags.DEFINE_integer("iterations", 40, "Timed iterations per variant.")
@@ -50,10 +50,6 @@ _SCALE = flags.DEFINE_integer("scale", 1, "Divide the check cases' n and k_shard
 _OUT = flags.DEFINE_string("out", "", "JSON output path; default experiments/out/"
                            "overlap_probe.json (git-ignored).")
 
-
-def require_gpu(jax) -> None:
-  if jax.devices()[0].platform != "gpu":
-    raise app.UsageError("overlap_probe.py runs the Mosaic GPU kernel: it needs a Hopper GPU")
 
 
 def check_flags() -> None:
@@ -86,7 +82,7 @@ def main(argv):
   from pallas_rs.bench import timing  # pylint: disable=g-import-not-at-top
   from pallas_rs import tuning  # pylint: disable=g-import-not-at-top
 
-  require_gpu(jax)
+  bench_env.require_gpu("overlap_probe.py", "runs the Mosaic GPU kernel")
   gpus = jax.devices()
   d_nv = len(gpus)
   record = dict(environment=bench_env.environment_block(sys.argv), checks=[], rows=[])

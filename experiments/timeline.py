@@ -141,9 +141,8 @@ def main(argv):
   from pallas_rs.kernel import fused  # pylint: disable=g-import-not-at-top
   from pallas_rs.kernel import schedule  # pylint: disable=g-import-not-at-top
 
+  bench_env.require_gpu("timeline.py", "profiles the Mosaic GPU kernel")
   gpus = jax.devices()
-  if gpus[0].platform != "gpu":
-    raise app.UsageError("timeline.py profiles the Mosaic GPU kernel: it needs a Hopper GPU")
   nvlink = len(gpus) >= 2 and not _ALONE.value
   d = len(gpus) if nvlink else _NUM_DEVICES.value
   transport = "nvlink" if nvlink else "alone" if _ALONE.value else "loopback"

@@ -2,6 +2,7 @@
 (the fused kernel cannot run on a CPU): variants, baselines, the check, the JSON."""
 import json
 
+from absl import app
 import pytest
 
 import helpers
@@ -22,7 +23,7 @@ def test_ablate_script_plumbing(tmp_path):
   proc = helpers.run_script_with_stand_ins(
       "ablate.py", ["--names=llama70b_o_proj_m512", "--iterations=2", f"--out={out}",
                     "--configs=table,t64x128,t64x128_c4", "--ablations=fused,neither,moves"],
-      stand_ins=STAND_INS, after_load="mod.require_gpu = lambda jax: None")
+      stand_ins=STAND_INS, after_load="mod.bench_env.require_gpu = lambda script, what: None")
   assert proc.returncode == 1, proc.stderr[-3000:]  # the wrong kernel
   assert ("1 of 3 kernel outputs broke it: llama70b_o_proj_m512 t64x128_c4:fused"
           in proc.stdout), proc.stdout[-3000:]
@@ -67,7 +68,7 @@ def test_ablate_script_alone(tmp_path):
           "--iterations=2", f"--out={out}", "--configs=table", "--ablations=no_comm,neither"]
   proc = helpers.run_script_with_stand_ins(
       "ablate.py", args, stand_ins=ALONE_STAND_IN,
-      after_load="mod.require_gpu = lambda jax: None")
+      after_load="mod.bench_env.require_gpu = lambda script, what: None")
   assert proc.returncode == 0, proc.stderr[-3000:]
   (row,) = json.loads(out.read_text())["rows"]
   assert (row["d"], row["rank"], row["transport"]) == (8, 3, "alone")
@@ -76,7 +77,7 @@ def test_ablate_script_alone(tmp_path):
   # An ablation that needs peers is refused before anything runs.
   proc = helpers.run_script_with_stand_ins(
       "ablate.py", args[:-1] + ["--ablations=fused,neither"], stand_ins=ALONE_STAND_IN,
-      after_load="mod.require_gpu = lambda jax: None")
+      after_load="mod.bench_env.require_gpu = lambda script, what: None")
   assert proc.returncode != 0 and "drop ['fused']" in proc.stderr
 
 
@@ -101,7 +102,7 @@ def test_ablate_judges_a_loopback_kernel_by_the_order_its_numerics_copies(tmp_pa
       "ablate.py", ["--num_devices=4", "--names=mixtral8x22b_o_proj_m512", "--iterations=2",
                     f"--out={out}", "--configs=table,ring", "--ablations=fused"],
       stand_ins=LOOPBACK_STAND_IN,
-      after_load=("mod.require_gpu = lambda jax: None\n"
+      after_load=("mod.bench_env.require_gpu = lambda script, what: None\n"
                   "import jax\n_all = jax.devices\njax.devices = lambda *a: _all(*a)[:1]"))
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
   (row,) = json.loads(out.read_text())["rows"]
@@ -113,3 +114,9 @@ def test_ablate_judges_a_loopback_kernel_by_the_order_its_numerics_copies(tmp_pa
   assert unfused == err and set(err) == {"fused", "ring:fused"}
   assert err["fused"] != err["ring:fused"]  # two orders, two roundings
   assert row["rule_holds"] == {"fused": True, "ring:fused": True}
+
+
+def test_ablate_refuses_a_cpu():
+  with (helpers.parsed_script("ablate", []) as mod,
+        pytest.raises(app.UsageError, match="ablate.py times the fused Mosaic GPU kernel: it needs a Hopper GPU")):
+    mod.main(["ablate.py"])

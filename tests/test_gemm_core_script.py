@@ -13,7 +13,7 @@ import jax.numpy as jnp
 fused.local_matmul = local_stand_in
 """
 AFTER_LOAD = """
-mod.require_gpu = lambda jax: None
+mod.bench_env.require_gpu = lambda script, what: None
 import jax.numpy as jnp
 mod.jax_matmul = lambda hm, cfg: (
     lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(a.dtype))
@@ -52,10 +52,11 @@ def test_gemm_core_script_plumbing(tmp_path):
 
 
 def test_gemm_core_refuses_a_cpu():
-  import jax  # pylint: disable=g-import-not-at-top
   from absl import app  # pylint: disable=g-import-not-at-top
-  with helpers.script("gemm_core") as mod, pytest.raises(app.UsageError, match="Hopper GPU"):
-    mod.require_gpu(jax)
+  with (helpers.parsed_script("gemm_core", []) as mod,
+        pytest.raises(app.UsageError, match="gemm_core.py times Mosaic GPU kernels: it needs a "
+                      "Hopper GPU")):
+    mod.main(["gemm_core.py"])
 
 
 WRONG_FAST_STAND_IN = """

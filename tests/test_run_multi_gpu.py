@@ -188,3 +188,13 @@ def test_every_script_with_shape_or_variant_flags_checks_them_in_main():
     if "check_flags" not in funcs or "check_flags" not in calls:
       missing.append(path.name)
   assert not missing, f"no check_flags() in main: {missing}"
+
+
+@pytest.mark.parametrize("script", sorted(
+    p.stem for p in (helpers.REPO / "experiments").glob("*.py")
+    if "\ndef check_flags(" in p.read_text()))
+def test_a_script_accepts_its_own_defaults(script):
+  # 2026-12-06: overlap_probe.py's default --variants named "direct_f32", a token
+  # config_variants never knew, so a run with no --variants stopped at once.
+  with helpers.parsed_script(script, []) as module:
+    module.check_flags()
