@@ -68,7 +68,6 @@ _ABLATIONS = flags.DEFINE_list("ablations", ["fused", "no_comm", "no_reduce", "n
                                f"Which of {list(VARIANTS)}.")
 
 
-
 def check_flags() -> None:
   """UsageError for a flag value that would fail later in the run (flag_checks)."""
   flag_checks.shape_names("names", _NAMES.value)

@@ -57,7 +57,6 @@ def jax_config(hm, token: str, steps: int):
                          cluster_dimension=dim(cluster))
 
 
-
 def jax_matmul(hm, config):
   params = inspect.signature(hm.matmul).parameters
   if "c" in params:

@@ -51,7 +51,6 @@ _OUT = flags.DEFINE_string("out", "", "JSON output path; default experiments/out
                            "overlap_probe.json (git-ignored).")
 
 
-
 def check_flags() -> None:
   """UsageError for a flag value that would fail later in the run (flag_checks)."""
   from pallas_rs.kernel import rank  # pylint: disable=g-import-not-at-top
