@@ -43,6 +43,13 @@ def check_flags() -> None:
   flag_checks.subset("functions", _FUNCTIONS.value, FUNCTIONS)
 
 
+def kernel_config():
+  """The kernel's config for this GEMM at D = 1: the tuning table's, else the default."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  return config_variants.tuned_config(m=_M.value, k_shard=_K.value, n=_K.value,
+                                      dtype=jnp.bfloat16, num_devices=1)
+
+
 def chain(function: str, steps: int):
   """The jitted call: `steps` GEMMs c <- c @ w, starting from x."""
   import jax  # pylint: disable=g-import-not-at-top
@@ -50,9 +57,8 @@ def chain(function: str, steps: int):
   from pallas_rs.kernel import fused  # pylint: disable=g-import-not-at-top
   if function == "xla":
     gemm = jnp.dot
-  else:  # The kernel as the table tunes it for this GEMM at D = 1.
-    cfg = config_variants.tuned_config(m=_M.value, k_shard=_K.value, n=_K.value,
-                                       dtype=jnp.bfloat16, num_devices=1)
+  else:
+    cfg = kernel_config()
     gemm = lambda c, w: fused.local_matmul(c, w, config=cfg)
   return jax.jit(lambda x, w: jax.lax.fori_loop(0, steps, lambda i, c: gemm(c, w), x))
 
@@ -78,6 +84,7 @@ def main(argv):
   bench_env.require_cupti("sustained_load.py")
   out = Path(_OUT.value) if _OUT.value else bench_env.default_out("sustained_load.json")
   record = {"environment": bench_env.environment_block(sys.argv), "m": _M.value, "k": _K.value,
+            "kernel_config": repr(kernel_config()) if "kernel" in _FUNCTIONS.value else None,
             "cases": []}
   # x ~ N(0, 1), w ~ N(0, 1 / k): the chain keeps its scale.
   args = testing.generate(0, _M.value, _K.value, _K.value)

@@ -41,3 +41,24 @@ def test_the_chain_is_steps_gemms_in_one_call():
       assert np.abs(got - other).max() > 0.2 * scale
     # The chain keeps its scale (w ~ N(0, 1/k)): no overflow over long runs.
     assert 0.3 < np.std(got) / np.std(xf) < 3
+
+
+
+def test_main_writes_both_chains_and_the_kernel_config(tmp_path, monkeypatch):
+  # On CPU: the host timer instead of CUPTI, and XLA's dot standing in for the kernel (it cannot
+  # run here); the record must name the config the kernel would run (2026-12-06's had none).
+  import json  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from pallas_rs.kernel import fused  # pylint: disable=g-import-not-at-top
+  out = tmp_path / "sustained.json"
+  monkeypatch.setattr(fused, "local_matmul", lambda c, w, config: jnp.dot(c, w))
+  with helpers.parsed_script("sustained_load", ["--m=128", "--k=64", "--steps=2,3",
+                                                "--iterations=2", f"--out={out}"]) as mod:
+    monkeypatch.setattr(mod.bench_env, "require_cupti", lambda script: None)
+    assert mod.main(["sustained_load.py"]) == 0
+    want = repr(mod.kernel_config())
+  doc = json.loads(out.read_text())
+  assert doc["kernel_config"] == want and want.startswith("Config(")
+  assert [(c["function"], c["steps"]) for c in doc["cases"]] == [
+      ("xla", 2), ("kernel", 2), ("xla", 3), ("kernel", 3)]
+  assert all(len(c["times_us"]) == 2 for c in doc["cases"])
