@@ -198,3 +198,18 @@ def test_a_script_accepts_its_own_defaults(script):
   # config_variants never knew, so a run with no --variants stopped at once.
   with helpers.parsed_script(script, []) as module:
     module.check_flags()
+
+
+@pytest.mark.parametrize("script, message", [
+    ("ablate", "ablate.py times the fused Mosaic GPU kernel: it needs a Hopper GPU"),
+    ("gemm_core", "gemm_core.py times Mosaic GPU kernels: it needs a Hopper GPU"),
+    ("overlap_probe", "overlap_probe.py runs the Mosaic GPU kernel: it needs a Hopper GPU"),
+    ("timeline", "timeline.py profiles the Mosaic GPU kernel: it needs a Hopper GPU"),
+    ("timer_check", "timer_check.py times with CUPTI: it needs a GPU"),
+    ("sustained_load", "sustained_load.py times with CUPTI: it needs a GPU"),
+])
+def test_a_gpu_script_refuses_a_cpu_in_main(script, message):
+  # bench_env.require_gpu / require_cupti, reached through each script's main with its defaults.
+  with (helpers.parsed_script(script, []) as module,
+        pytest.raises(app.UsageError, match=message)):
+    module.main([f"{script}.py"])

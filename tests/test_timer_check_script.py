@@ -9,12 +9,6 @@ import pytest
 import helpers
 
 
-def test_timer_check_refuses_a_cpu():
-  with (helpers.parsed_script("timer_check", []) as mod,
-        pytest.raises(app.UsageError, match="timer_check.py times with CUPTI: it needs a GPU")):
-    mod.main(["timer_check.py"])
-
-
 @pytest.mark.slow  # a subprocess with jax on 8 host devices: the slow layer (tests/conftest.py).
 def test_timer_check_script_plumbing(tmp_path):
   out = tmp_path / "timer_check.json"
