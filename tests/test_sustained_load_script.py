@@ -1,5 +1,5 @@
-"""experiments/sustained_load.py on CPU: its flag checks, its refusal without CUPTI, and the chain
-it times (c <- c @ w, --steps times, in one call)."""
+"""experiments/sustained_load.py on CPU: its flag checks, its steps ("N" or "Nms"), the loop it
+times (one GEMM run --steps times in one call, not hoisted out of the loop) and its JSON."""
 from absl import app
 import numpy as np
 import pytest
@@ -8,11 +8,15 @@ import helpers
 
 
 @pytest.mark.parametrize("argv, match", [
-    (["--steps=4,x"], "--steps: not a positive integer: 'x'"),
-    (["--steps=4,0"], "--steps: not a positive integer: '0'"),
+    (["--steps=4,x"], r"--steps: not N or Nms with N a positive integer: 'x'"),
+    (["--steps=4,0"], r"--steps: not N or Nms with N a positive integer: '0'"),
+    (["--steps=0ms,ms,5s"], r"--steps: not N or Nms .*: '0ms', 'ms', '5s'"),
     (["--iterations=0"], "--iterations: not a positive integer: 0"),
     (["--k=-8"], "--k: not a positive integer: -8"),
+    (["--n=0"], "--n: not a positive integer: 0"),
     (["--functions=xla,cublas"], r"--functions: not one of \['xla', 'kernel'\]: 'cublas'"),
+    (["--names=llama70b_o_proj_m513"], "--names: not a shape of pallas_rs/bench/shapes.py"),
+    (["--tags=seeds"], "--tags: not a shape tag"),
 ])
 def test_sustained_load_flags(argv, match):
   with (helpers.parsed_script("sustained_load", argv) as mod,
@@ -20,38 +24,66 @@ def test_sustained_load_flags(argv, match):
     mod.check_flags()
 
 
-def test_the_chain_is_steps_gemms_in_one_call():
+def test_steps_are_gemms_or_milliseconds_at_the_roofline():
+  from pallas_rs.tuning import metrics  # pylint: disable=g-import-not-at-top
+  with helpers.parsed_script("sustained_load", []) as mod:
+    assert mod.gemms_per_call("128", 512, 768, 6144) == 128
+    # 2 * 8192^3 flops at 790 TFLOP/s is 1.39 ms: 100 ms is 72 of them, 1 ms one.
+    assert metrics.estimate_t_gemm(8192, 8192, 8192) == pytest.approx(1.392e-3, rel=1e-3)
+    assert mod.gemms_per_call("100ms", 8192, 8192, 8192) == 72
+    assert mod.gemms_per_call("1ms", 8192, 8192, 8192) == 1
+    # Small GEMMs take many: mixtral o_proj at M = 512, D = 8's k_shard (~6 us each).
+    assert mod.gemms_per_call("200ms", 512, 768, 6144) == 32_700
+
+
+def test_named_shapes_are_their_per_device_gemms():
+  with helpers.parsed_script("sustained_load", ["--names=mixtral8x22b_o_proj_m512",
+                                                "--tags=proxy8"]) as mod:
+    got = mod.gemm_shapes()
+  assert got[0] == ("mixtral8x22b_o_proj_m512", 512, 768, 6144)
+  assert len(got) == 17 and all(name.endswith("_proxy8") for name, *_ in got[1:])
+  with helpers.parsed_script("sustained_load", ["--m=64", "--k=32", "--n=48"]) as mod:
+    assert mod.gemm_shapes() == [("m64_k32_n48", 64, 32, 48)]
+
+
+def test_the_loop_runs_the_gemm_every_step():
+  import jax  # pylint: disable=g-import-not-at-top
   from pallas_rs.bench import testing  # pylint: disable=g-import-not-at-top
-  with helpers.parsed_script("sustained_load", ["--m=32", "--k=16"]) as mod:
-    x, w = testing.generate(0, 32, 16, 16)  # what main times: x ~ N(0, 1), w ~ N(0, 1 / k)
-    got = np.asarray(mod.chain("xla", 3)(x, w), np.float32)
-    xf, wf = np.asarray(x, np.float32), np.asarray(w, np.float32)
-    want = xf @ wf @ wf @ wf
-    assert got.shape == (32, 16)
-    # bf16 between the steps: within a few bf16 ulps of the fp32 chain, and far from 2 or 4 steps.
-    scale = np.abs(want).max()
-    assert np.abs(got - want).max() <= 0.05 * scale
-    for other in (xf @ wf @ wf, xf @ wf @ wf @ wf @ wf):
-      assert np.abs(got - other).max() > 0.2 * scale
-    # The chain keeps its scale (w ~ N(0, 1/k)): no overflow over long runs.
-    assert 0.3 < np.std(got) / np.std(xf) < 3
+  with helpers.parsed_script("sustained_load", []) as mod:
+    x, w = testing.generate(0, 64, 32, 48)
+    call = mod.repeated("xla", 5)
+    got = np.asarray(call(x, w), np.float32)
+    want = np.asarray(x, np.float32) @ np.asarray(w, np.float32)
+    assert got.shape == (64, 48)
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
+    # Without the barrier XLA hoists the dot out of the loop (seen on CPU): one GEMM a call.
+    # The optimized HLO must keep it in the loop's body, not in the entry computation.
+    hlo = jax.jit(call).lower(x, w).compile().as_text()
+  entry = hlo[hlo.index("\nENTRY "):]
+  assert "while(" in entry and "dot" not in entry and "ynn_fusion" not in entry
+  assert '"known_trip_count":{"n":"5"}' in entry
 
 
-def test_main_writes_both_chains_and_the_kernel_config(tmp_path, monkeypatch):
+def test_main_writes_every_shape_and_case_as_it_goes(tmp_path, monkeypatch):
   # On CPU: the host timer instead of CUPTI, and XLA's dot standing in for the kernel (it cannot
-  # run here); the record must name the config the kernel would run (2026-12-06's had none).
+  # run here); the record must name the config the kernel would run and what "auto" runs.
   import json  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from pallas_rs.kernel import fused  # pylint: disable=g-import-not-at-top
   out = tmp_path / "sustained.json"
-  monkeypatch.setattr(fused, "local_matmul", lambda c, w, config: jnp.dot(c, w))
-  with helpers.parsed_script("sustained_load", ["--m=128", "--k=64", "--steps=2,3",
+  monkeypatch.setattr(fused, "local_matmul", lambda x, w, config: jnp.dot(x, w))
+  with helpers.parsed_script("sustained_load", ["--m=128", "--k=64", "--n=192", "--steps=2,3,2",
                                                 "--iterations=2", f"--out={out}"]) as mod:
     monkeypatch.setattr(mod.bench_env, "require_cupti", lambda script: None)
     assert mod.main(["sustained_load.py"]) == 0
-    want = repr(mod.kernel_config())
+    want = repr(mod.kernel_config(128, 64, 192))
   doc = json.loads(out.read_text())
-  assert doc["kernel_config"] == want and want.startswith("Config(")
-  assert [(c["function"], c["steps"]) for c in doc["cases"]] == [
-      ("xla", 2), ("kernel", 2), ("xla", 3), ("kernel", 3)]
-  assert all(len(c["times_us"]) == 2 for c in doc["cases"])
+  [shape] = doc["shapes"]
+  assert shape["kernel_config"] == want and want.startswith("Config(")
+  assert (shape["name"], shape["m"], shape["k"], shape["n"]) == ("m128_k64_n192", 128, 64, 192)
+  assert shape["auto_runs"] == "xla"  # no D = 1 table entry for a CPU
+  # The functions take turns, the other way round at every other step; a compile per call shape.
+  assert [(c["function"], c["steps"]) for c in shape["cases"]] == [
+      ("xla", 2), ("kernel", 2), ("kernel", 3), ("xla", 3), ("xla", 2), ("kernel", 2)]
+  assert sorted(shape["compile_s"]) == ["kernel_2", "kernel_3", "xla_2", "xla_3"]
+  assert all(len(c["times_us"]) == 2 for c in shape["cases"])
