@@ -10,15 +10,16 @@ import dataclasses
 import re
 
 
-def tuned_config(*, m: int, k_shard: int, n: int, dtype, num_devices: int):
-  """The config implementation="fused" runs for the shape on this GPU kind: the tuning table's,
-  else the kernel's default (pallas_rs.tuning.gate.decide). NotImplementedError where the
-  kernel cannot take the shape."""
+def tuned_config(*, m: int, k_shard: int, n: int, dtype, num_devices: int,
+                 gpu_kind: str | None = None):
+  """The config implementation="fused" runs for the shape on `gpu_kind` (default this GPU's):
+  the tuning table's, else the kernel's default (pallas_rs.tuning.gate.decide).
+  NotImplementedError where the kernel cannot take the shape."""
   from pallas_rs import platform  # pylint: disable=g-import-not-at-top
   from pallas_rs.tuning import gate  # pylint: disable=g-import-not-at-top
   return gate.decide("matmul_rs", m=m, k_shard=k_shard, n=n, dtype=dtype,
                      num_devices=num_devices, implementation="fused",
-                     gpu_kind=platform.device_kind()).config.config
+                     gpu_kind=gpu_kind or platform.device_kind()).config.config
 
 
 def variant_config(base, name: str):

@@ -42,6 +42,9 @@ _STEPS = flags.DEFINE_list("steps", ["4", "128", "512", "4"],
                            "estimate); one case per entry and function, in this order.")
 _FUNCTIONS = flags.DEFINE_list("functions", list(FUNCTIONS), f"Of {FUNCTIONS}.")
 _ITERS = flags.DEFINE_integer("iterations", 3, "Timed calls per case (one CUPTI session).")
+_TABLE_GPU_KIND = flags.DEFINE_string(
+    "table_gpu_kind", "", "Take the kernel's configs and auto's decisions from the tuning "
+    "table's entries of this GPU kind (e.g. 'NVIDIA H200' on an H100); default this GPU's.")
 _OUT = flags.DEFINE_string("out", "", "JSON path; default experiments/out/sustained_load.json.")
 
 
@@ -87,20 +90,25 @@ def gemm_shapes() -> list[tuple[str, int, int, int]]:
   return [(c.name, c.m, c.k_shard, c.n) for c in cases]
 
 
+def table_gpu_kind() -> str:
+  """The GPU kind whose tuning-table entries the kernel's configs come from."""
+  from pallas_rs import platform  # pylint: disable=g-import-not-at-top
+  return _TABLE_GPU_KIND.value or platform.device_kind()
+
+
 def kernel_config(m: int, k: int, n: int):
   """The kernel's config for this GEMM at D = 1: the tuning table's, else the default."""
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  return config_variants.tuned_config(m=m, k_shard=k, n=n, dtype=jnp.bfloat16, num_devices=1)
+  return config_variants.tuned_config(m=m, k_shard=k, n=n, dtype=jnp.bfloat16, num_devices=1,
+                                      gpu_kind=table_gpu_kind())
 
 
 def auto_runs(m: int, k: int, n: int) -> str:
-  """What implementation="auto" runs for this GEMM at D = 1 on this GPU kind, and why."""
+  """What implementation="auto" runs for this GEMM at D = 1 by the table's entries."""
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from pallas_rs import platform  # pylint: disable=g-import-not-at-top
   from pallas_rs.tuning import gate  # pylint: disable=g-import-not-at-top
-  decision = gate.decide("matmul_rs", m=m, k_shard=k, n=n, dtype=jnp.bfloat16, num_devices=1,
-                         gpu_kind=platform.device_kind())
-  return decision.implementation
+  return gate.decide("matmul_rs", m=m, k_shard=k, n=n, dtype=jnp.bfloat16, num_devices=1,
+                     gpu_kind=table_gpu_kind()).implementation
 
 
 def repeated(function: str, steps: int, config=None):
@@ -182,7 +190,7 @@ def main(argv):
   bench_env.require_cupti("sustained_load.py")
   out = Path(_OUT.value) if _OUT.value else bench_env.default_out("sustained_load.json")
   record = {"environment": bench_env.environment_block(sys.argv), "steps": _STEPS.value,
-            "shapes": []}
+            "table_gpu_kind": table_gpu_kind(), "shapes": []}
   for name, m, k, n in gemm_shapes():
     run_shape(name, m, k, n, out, record)
   print(f"\nwrote {out}\n")

@@ -87,3 +87,14 @@ def test_main_writes_every_shape_and_case_as_it_goes(tmp_path, monkeypatch):
       ("xla", 2), ("kernel", 2), ("kernel", 3), ("xla", 3), ("xla", 2), ("kernel", 2)]
   assert sorted(shape["compile_s"]) == ["kernel_2", "kernel_3", "xla_2", "xla_3"]
   assert all(len(c["times_us"]) == 2 for c in shape["cases"])
+
+
+def test_the_table_of_another_gpu_kind_gives_configs_and_decisions():
+  # The H200's D = 1 entries (an H100 or a CPU names them with --table_gpu_kind): mixtral o_proj
+  # at M = 512 runs the kernel, llama o_proj at M = 512 XLA's dot; a CPU's own kind has none.
+  with helpers.parsed_script("sustained_load", ["--table_gpu_kind=NVIDIA H200"]) as mod:
+    assert mod.table_gpu_kind() == "NVIDIA H200"
+    assert mod.auto_runs(512, 768, 6144) == "fused"
+    assert mod.auto_runs(512, 1024, 8192) == "xla"
+  with helpers.parsed_script("sustained_load", []) as mod:
+    assert mod.auto_runs(512, 768, 6144) == "xla"
