@@ -3,6 +3,7 @@
 # Results under ${OUT:-/tmp/mg}; every record is labelled with the D it ran at.
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh check    # env + correctness + 1000-call stress
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh timer    # the timer's resolution: one function timed twice
+#   OUT=/tmp/mg bash experiments/run_multi_gpu.sh sustained  # layers back to back in one call: fused vs unfused under the power cap
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh sweep    # the 16 seed shapes at D = all GPUs
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh proxy8   # the D = 8 k_shard of each seed shape, at D = 2
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh ablate   # where the time goes; then autotune
@@ -59,6 +60,13 @@ case "${1:-check}" in
         --trace_calls=0 --session_limit_mib=$lim \
         --out="$out/timer_check_2gpu_held_${i}_${lim}mib.json" 2>&1 | quiet | tail -6
     done ;;
+  sustained)
+    # Row-parallel layers back to back in one call, as a training step runs them, at D = 2 on the
+    # proxy8 shapes (D = 8's per-device work): the unfused path and the fused kernel (the table's
+    # configs) taking turns, calls of 4 layers and of >= ~200 ms, the SM clock sampled. Does the
+    # fused path's lead hold under the power cap? (D = 1 on one H200: BUILD_NOTES, 2026-12-06.)
+    timeout 560 python3 experiments/sustained_load.py --devices=2 --tags=proxy8 \
+      --steps=4,200ms,200ms --out="$out/sustained_2gpu_proxy8.json" 2>&1 | quiet | tail -40 ;;
   sweep)
     timeout 560 python3 experiments/matmul_rs_bench.py --mode=multi_gpu --tags=seed \
       --iterations=200 --implementations=xla,fused,auto --xla_peer --keep_going \
@@ -319,7 +327,7 @@ mixtral8x22b_w2_m512,llama70b_o_proj_m2048,mixtral8x22b_o_proj_m2048 \
         2>&1 | tee "$out/stall_loopback_$v.log" | quiet | grep -E '^\{|^loopback|Timeout|File' \
         | cut -c1-200 | head -12
     done ;;
-  *) echo "usage: $0 check|timer|sweep|proxy8|ablate|probe|numerics|model|layers_llama70b|layers_mixtral8x22b|ag|roofline|mesh2d|smallm|\
+  *) echo "usage: $0 check|timer|sustained|sweep|proxy8|ablate|probe|numerics|model|layers_llama70b|layers_mixtral8x22b|ag|roofline|mesh2d|smallm|\
 smallm_proxy8|timeline|tiles|order|owner|owner_pull|chains|pull_wm|alone|hang|stall|stall_which|\
 stall_ablate|stall_loopback" >&2
      exit 2 ;;

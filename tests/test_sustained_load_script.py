@@ -1,5 +1,7 @@
 """experiments/sustained_load.py on CPU: its flag checks, its steps ("N" or "Nms"), the loop it
 times (one GEMM run --steps times in one call, not hoisted out of the loop) and its JSON."""
+import re
+
 from absl import app
 import numpy as np
 import pytest
@@ -17,6 +19,9 @@ import helpers
     (["--functions=xla,cublas"], r"--functions: not one of \['xla', 'kernel'\]: 'cublas'"),
     (["--names=llama70b_o_proj_m513"], "--names: not a shape of pallas_rs/bench/shapes.py"),
     (["--tags=seeds"], "--tags: not a shape tag"),
+    (["--devices=0"], "--devices: not a positive integer: 0"),
+    (["--devices=3", "--names=llama70b_o_proj_m512,llama70b_o_proj_m2048_proxy8"],
+     r"--devices=3 does not divide m of: 'llama70b_o_proj_m512', 'llama70b_o_proj_m2048_proxy8'"),
 ])
 def test_sustained_load_flags(argv, match):
   with (helpers.parsed_script("sustained_load", argv) as mod,
@@ -24,26 +29,45 @@ def test_sustained_load_flags(argv, match):
     mod.check_flags()
 
 
-def test_steps_are_gemms_or_milliseconds_at_the_roofline():
+def test_steps_are_a_count_or_milliseconds_at_the_roofline():
   from pallas_rs.tuning import metrics  # pylint: disable=g-import-not-at-top
   with helpers.parsed_script("sustained_load", []) as mod:
-    assert mod.gemms_per_call("128", 512, 768, 6144) == 128
+    assert mod.steps_per_call("128", 512, 768, 6144) == 128
     # 2 * 8192^3 flops at 790 TFLOP/s is 1.39 ms: 100 ms is 72 of them, 1 ms one.
     assert metrics.estimate_t_gemm(8192, 8192, 8192) == pytest.approx(1.392e-3, rel=1e-3)
-    assert mod.gemms_per_call("100ms", 8192, 8192, 8192) == 72
-    assert mod.gemms_per_call("1ms", 8192, 8192, 8192) == 1
+    assert mod.steps_per_call("100ms", 8192, 8192, 8192) == 72
+    assert mod.steps_per_call("1ms", 8192, 8192, 8192) == 1
     # Small GEMMs take many: mixtral o_proj at M = 512, D = 8's k_shard (~6 us each).
-    assert mod.gemms_per_call("200ms", 512, 768, 6144) == 32_700
+    assert mod.steps_per_call("200ms", 512, 768, 6144) == 32_700
 
 
-def test_named_shapes_are_their_per_device_gemms():
+def test_named_shapes_are_their_per_device_problems():
   with helpers.parsed_script("sustained_load", ["--names=mixtral8x22b_o_proj_m512",
                                                 "--tags=proxy8"]) as mod:
-    got = mod.gemm_shapes()
+    got = mod.problems()
   assert got[0] == ("mixtral8x22b_o_proj_m512", 512, 768, 6144)
   assert len(got) == 17 and all(name.endswith("_proxy8") for name, *_ in got[1:])
   with helpers.parsed_script("sustained_load", ["--m=64", "--k=32", "--n=48"]) as mod:
-    assert mod.gemm_shapes() == [("m64_k32_n48", 64, 32, 48)]
+    assert mod.problems() == [("m64_k32_n48", 64, 32, 48)]
+
+
+def _computations(hlo: str) -> dict[str, str]:
+  """An HLO module's computations by name (ENTRY's under "ENTRY")."""
+  out, name = {}, None
+  for line in hlo.splitlines():
+    if line and not line[0].isspace() and line.rstrip().endswith("{"):
+      name = "ENTRY" if line.startswith("ENTRY") else line.split()[0].lstrip("%")
+      out[name] = ""
+    elif name is not None:
+      out[name] += line + "\n"
+  return out
+
+
+def _reaches_dot(name: str, computations: dict[str, str]) -> bool:
+  text = computations[name]
+  return " dot(" in text or any(
+      _reaches_dot(callee, computations)
+      for callee in re.findall(r"(?:calls|body|to_apply)=%([\w.\-]+)", text))
 
 
 def test_the_loop_runs_the_gemm_every_step():
@@ -56,12 +80,37 @@ def test_the_loop_runs_the_gemm_every_step():
     want = np.asarray(x, np.float32) @ np.asarray(w, np.float32)
     assert got.shape == (64, 48)
     np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
-    # Without the barrier XLA hoists the dot out of the loop (seen on CPU): one GEMM a call.
-    # The optimized HLO must keep it in the loop's body, not in the entry computation.
+    # One GEMM before the loop, 4 in it. Without the barrier XLA hoists the loop's dot out of
+    # it (seen on CPU): the optimized HLO must keep one in the loop's body.
     hlo = jax.jit(call).lower(x, w).compile().as_text()
-  entry = hlo[hlo.index("\nENTRY "):]
-  assert "while(" in entry and "dot" not in entry and "ynn_fusion" not in entry
-  assert '"known_trip_count":{"n":"5"}' in entry
+  computations = _computations(hlo)
+  [loop] = [line for line in computations["ENTRY"].splitlines() if " while(" in line]
+  assert '"known_trip_count":{"n":"4"}' in loop
+  assert _reaches_dot(re.search(r"body=%([\w.\-]+)", loop).group(1), computations)
+
+
+def test_d2_runs_the_unfused_path_every_step_on_its_own_rows():
+  # At D >= 2, inside shard_map over 2 of the 8 host devices: each step is the unfused path
+  # (dot + psum_scatter), every device's output is its chunk of sum_d x_d @ w_d, and the
+  # reduce-scatter stays in the loop.
+  import jax  # pylint: disable=g-import-not-at-top
+  from pallas_rs.bench import testing  # pylint: disable=g-import-not-at-top
+  with helpers.parsed_script("sustained_load", ["--devices=2"]) as mod:
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), (mod.AXIS,))
+    x, w = testing.generate(3, 128, 2 * 32, 48, num_devices=2,
+                            shardings=testing.row_parallel_shardings(mesh, mod.AXIS))
+    call = mod.repeated("xla", 3, mesh=mesh)
+    got = call(x, w)
+    hlo = call.lower(x, w).compile().as_text()
+  assert got.shape == (128, 48) and got.sharding.spec[0] == mod.AXIS
+  want = np.asarray(x, np.float32) @ np.asarray(w, np.float32)
+  np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2e-2,
+                             atol=2e-2 * np.abs(want).max())
+  computations = _computations(hlo)
+  [loop] = [line for line in computations["ENTRY"].splitlines() if " while(" in line]
+  body = computations[re.search(r"body=%([\w.\-]+)", loop).group(1)]
+  assert "reduce-scatter" in body or "all-reduce" in body
+  assert _reaches_dot(re.search(r"body=%([\w.\-]+)", loop).group(1), computations)
 
 
 def test_main_writes_every_shape_and_case_as_it_goes(tmp_path, monkeypatch):
@@ -78,7 +127,7 @@ def test_main_writes_every_shape_and_case_as_it_goes(tmp_path, monkeypatch):
     assert mod.main(["sustained_load.py"]) == 0
     want = repr(mod.kernel_config(128, 64, 192))
   doc = json.loads(out.read_text())
-  [shape] = doc["shapes"]
+  [shape] = doc["problems"]
   assert shape["kernel_config"] == want and want.startswith("Config(")
   assert (shape["name"], shape["m"], shape["k"], shape["n"]) == ("m128_k64_n192", 128, 64, 192)
   assert shape["auto_runs"] == "xla"  # no D = 1 table entry for a CPU
@@ -98,3 +147,29 @@ def test_the_table_of_another_gpu_kind_gives_configs_and_decisions():
     assert mod.auto_runs(512, 1024, 8192) == "xla"
   with helpers.parsed_script("sustained_load", []) as mod:
     assert mod.auto_runs(512, 768, 6144) == "xla"
+
+
+def test_main_at_d2_runs_the_public_api_with_the_config_it_records(tmp_path, monkeypatch):
+  # The kernel cannot run on CPU: the public API is replaced by one that checks what the script
+  # asks of it (the fused kernel, with the config the record names) and runs the unfused path.
+  import json  # pylint: disable=g-import-not-at-top
+  import pallas_rs  # pylint: disable=g-import-not-at-top
+  from pallas_rs import reference  # pylint: disable=g-import-not-at-top
+  asked = []
+
+  def api(x, w, *, axis_name, implementation, config):
+    asked.append((implementation, repr(config)))
+    return reference.matmul_reduce_scatter(x, w, axis_name=axis_name)
+
+  monkeypatch.setattr(pallas_rs, "matmul_reduce_scatter", api)
+  out = tmp_path / "sustained_d2.json"
+  with helpers.parsed_script("sustained_load", ["--devices=2", "--m=128", "--k=64", "--n=192",
+                                                "--steps=2", "--iterations=1",
+                                                f"--out={out}"]) as mod:
+    monkeypatch.setattr(mod.bench_env, "require_cupti", lambda script: None)
+    assert mod.main(["sustained_load.py"]) == 0
+  doc = json.loads(out.read_text())
+  [problem] = doc["problems"]
+  assert doc["devices"] == 2 and problem["kernel_config"].startswith("Config(")
+  assert set(asked) == {("fused", problem["kernel_config"])}
+  assert [c["function"] for c in problem["cases"]] == ["xla", "kernel"]
