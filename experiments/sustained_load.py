@@ -16,7 +16,8 @@ keys at D = 1; at D = 2 a seed shape's is its proxy8 shape). A --steps entry is 
 "Nms": enough steps for a call of at least about N ms by the GEMM's roofline estimate.
 
 Each call is timed with CUPTI (`pallas_rs.bench.timing.time_function`, --iterations calls)
-while `gpu_clocks` samples the SM clock; the two functions take turns, in the other order at
+while `gpu_clocks` samples the SM clock (a step's time leaves out the loop counter's own kernel,
+`loop_kernels_us`); the two functions take turns, in the other order at
 every other --steps entry, so that neither always runs on the warmer GPU. The question
 (BUILD_NOTES, eighty-fourth to eighty-seventh sessions): how much do long runs slow down under
 the power cap, and does the kernel's lead over XLA at the boost clock hold there? JSON under
@@ -170,10 +171,20 @@ def run_case(compiled, function: str, step: str, steps: int, args) -> dict:
   with gpu_clocks.sampled() as clocks:
     got = timing.time_function(compiled, args, iterations=_ITERS.value, warmup=0,
                                num_devices=_DEVICES.value)
+  loop_us = loop_kernels_us(got.kernels, steps)
   return {"function": function, "step": step, "steps": steps, "times_us": got.times_us,
-          "per_step_median_us": statistics.median(t / steps for t in got.times_us),
+          "loop_kernels_us": loop_us,
+          "per_step_median_us": statistics.median((t - loop_us) / steps for t in got.times_us),
           "rule": got.rule, "kernels": got.kernels, "notes": got.notes,
           "clocks": clocks.result()}
+
+
+def loop_kernels_us(kernels: dict | None, steps: int) -> float:
+  """The loop's own kernel time in one call (median launches): the kernels launched steps - 1
+  times, its counter's increment (XLA's "loop_add_fusion", ~1 us each on an H100), where every
+  kernel of the op runs `steps` times (one step comes before the loop)."""
+  return sum(k["count_per_iteration"] * k["median_us"] for k in (kernels or {}).values()
+             if steps > 1 and k["count_per_iteration"] == steps - 1)
 
 
 def ratio(cases: list[dict], step: str) -> float | None:

@@ -41,6 +41,19 @@ def test_steps_are_a_count_or_milliseconds_at_the_roofline():
     assert mod.steps_per_call("200ms", 512, 768, 6144) == 32_700
 
 
+def test_the_loops_own_kernels_are_left_out_of_the_step():
+  # What CUPTI saw of one call of 5 steps on an H100 (2026-12-06): the op's kernel 5 times, the
+  # loop counter's increment 4 times; at D >= 2 the op has several kernels, each `steps` times.
+  with helpers.parsed_script("sustained_load", []) as mod:
+    kernels = {"pallas_rs_local_matmul_mosaic_gpu_kernel": {"count_per_iteration": 5,
+                                                            "median_us": 13.4},
+               "loop_add_fusion": {"count_per_iteration": 4, "median_us": 1.02},
+               "ncclDevKernel_ReduceScatter": {"count_per_iteration": 5, "median_us": 9.0}}
+    assert mod.loop_kernels_us(kernels, 5) == pytest.approx(4.08)
+    assert mod.loop_kernels_us(kernels, 1) == 0  # no loop: one step
+    assert mod.loop_kernels_us(None, 5) == 0  # the host timer names no kernels
+
+
 def test_named_shapes_are_their_per_device_problems():
   with helpers.parsed_script("sustained_load", ["--names=mixtral8x22b_o_proj_m512",
                                                 "--tags=proxy8"]) as mod:
