@@ -15,13 +15,13 @@ tuning table's config for the shape (of --table_gpu_kind's entries), else the de
 keys at D = 1; at D = 2 a seed shape's is its proxy8 shape). A --steps entry is N steps or
 "Nms": enough steps for a call of at least about N ms by the GEMM's roofline estimate.
 
-Each call is timed with CUPTI (`pallas_rs.bench.timing.time_function`, --iterations calls)
-while `gpu_clocks` samples the SM clock (a step's time leaves out the loop counter's own kernel,
-`loop_kernels_us`); the two functions take turns, in the other order at
-every other --steps entry, so that neither always runs on the warmer GPU. The question
-(BUILD_NOTES, eighty-fourth to eighty-seventh sessions): how much do long runs slow down under
-the power cap, and does the kernel's lead over XLA at the boost clock hold there? JSON under
---out (written after every case); a table last.
+Each call is timed with CUPTI (`pallas_rs.bench.timing.time_function`, --iterations calls) while
+`gpu_clocks` samples the SM clock (a step's time leaves out the loop counter's own kernel,
+`loop_kernels_us`); the two functions take turns, in the other order at every other --steps
+entry, so that neither always runs on the warmer GPU. The question (BUILD_NOTES, eighty-fourth
+to eighty-seventh sessions): how much do long runs slow down under the power cap, and does the
+kernel's lead over XLA at the boost clock hold there? JSON under --out (written after every
+case); a table last.
 """
 from __future__ import annotations
 
