@@ -171,7 +171,7 @@ def run_case(compiled, function: str, step: str, steps: int, args) -> dict:
   with gpu_clocks.sampled() as clocks:
     got = timing.time_function(compiled, args, iterations=_ITERS.value, warmup=0,
                                num_devices=_DEVICES.value)
-  loop_us = loop_kernels_us(got.kernels, steps)
+  loop_us = loop_kernels_us(got.kernels, steps, _DEVICES.value)
   return {"function": function, "step": step, "steps": steps, "times_us": got.times_us,
           "loop_kernels_us": loop_us,
           "per_step_median_us": statistics.median((t - loop_us) / steps for t in got.times_us),
@@ -179,12 +179,14 @@ def run_case(compiled, function: str, step: str, steps: int, args) -> dict:
           "clocks": clocks.result()}
 
 
-def loop_kernels_us(kernels: dict | None, steps: int) -> float:
-  """The loop's own kernel time in one call (median launches): the kernels launched steps - 1
-  times, its counter's increment (XLA's "loop_add_fusion", ~1 us each on an H100), where every
-  kernel of the op runs `steps` times (one step comes before the loop)."""
-  return sum(k["count_per_iteration"] * k["median_us"] for k in (kernels or {}).values()
-             if steps > 1 and k["count_per_iteration"] == steps - 1)
+def loop_kernels_us(kernels: dict | None, steps: int, num_devices: int = 1) -> float:
+  """The loop's own kernel time in one call on one device (median launches): the kernels each
+  device launched steps - 1 times, its counter's increment (XLA's "loop_add_fusion", ~1 us on
+  an H100), where every kernel of the op runs `steps` times (one step comes before the loop).
+  `kernels` counts every device's launches (`Timing.kernels`)."""
+  return sum(k["count_per_iteration"] / num_devices * k["median_us"]
+             for k in (kernels or {}).values()
+             if steps > 1 and k["count_per_iteration"] == num_devices * (steps - 1))
 
 
 def ratio(cases: list[dict], step: str) -> float | None:

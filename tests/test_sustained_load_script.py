@@ -52,6 +52,11 @@ def test_the_loops_own_kernels_are_left_out_of_the_step():
     assert mod.loop_kernels_us(kernels, 5) == pytest.approx(4.08)
     assert mod.loop_kernels_us(kernels, 1) == 0  # no loop: one step
     assert mod.loop_kernels_us(None, 5) == 0  # the host timer names no kernels
+    # Two devices: every count covers both, the time is one device's.
+    both = {name: dict(k, count_per_iteration=2 * k["count_per_iteration"])
+            for name, k in kernels.items()}
+    assert mod.loop_kernels_us(both, 5, num_devices=2) == pytest.approx(4.08)
+    assert mod.loop_kernels_us(kernels, 5, num_devices=2) == 0  # 4 launches: not 2 x 4
 
 
 def test_named_shapes_are_their_per_device_problems():
