@@ -46,7 +46,8 @@ _K = flags.DEFINE_integer("k", 8192, "Per-device columns of x, rows of w (withou
 _N = flags.DEFINE_integer("n", 8192, "Columns of w (without --names/--tags).")
 _NAMES = flags.DEFINE_list("names", [], "Shapes of pallas_rs/bench/shapes.py: each runs its "
                            "per-device problem [m, k_shard] x [k_shard, n].")
-_TAGS = flags.DEFINE_list("tags", [], "Shape tags (e.g. seed), added to --names.")
+_TAGS = flags.DEFINE_list("tags", [], "Shape tags (e.g. seed; all must match); with --names, "
+                          "the named shapes that carry them (as matmul_rs_bench and autotune).")
 _DEVICES = flags.DEFINE_integer("devices", 1, "D: 1 (a GEMM) or the GPUs of a row-parallel "
                                 "layer (GEMM + reduce-scatter).")
 _STEPS = flags.DEFINE_list("steps", ["4", "128", "512", "4"],
@@ -94,14 +95,15 @@ def steps_per_call(step: str, m: int, k: int, n: int) -> int:
 
 
 def problems() -> list[tuple[str, int, int, int]]:
-  """(name, m, k, n) of each per-device problem to run: the named and tagged shapes', or the
-  one --m/--k/--n shape."""
+  """(name, m, k, n) of each per-device problem to run, in the shape table's order: the shapes
+  named in --names (all if none) that carry every tag of --tags, or the one --m/--k/--n shape."""
   from pallas_rs.bench import shapes  # pylint: disable=g-import-not-at-top
-  cases = [shapes.by_name(name) for name in _NAMES.value]
-  if _TAGS.value:
-    cases += [c for c in shapes.select(_TAGS.value) if c not in cases]
-  if not cases:
+  if not _NAMES.value and not _TAGS.value:
     return [(f"m{_M.value}_k{_K.value}_n{_N.value}", _M.value, _K.value, _N.value)]
+  cases = shapes.select(tags=_TAGS.value, names=_NAMES.value or None)
+  if not cases:
+    raise app.UsageError(f"no shape has every tag of --tags={','.join(_TAGS.value)} and a "
+                         f"name of --names={','.join(_NAMES.value)}")
   return [(c.name, c.m, c.k_shard, c.n) for c in cases]
 
 

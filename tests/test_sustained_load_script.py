@@ -60,11 +60,21 @@ def test_the_loops_own_kernels_are_left_out_of_the_step():
 
 
 def test_named_shapes_are_their_per_device_problems():
-  with helpers.parsed_script("sustained_load", ["--names=mixtral8x22b_o_proj_m512",
-                                                "--tags=proxy8"]) as mod:
+  with helpers.parsed_script("sustained_load", ["--names=mixtral8x22b_o_proj_m512"]) as mod:
+    assert mod.problems() == [("mixtral8x22b_o_proj_m512", 512, 768, 6144)]
+  with helpers.parsed_script("sustained_load", ["--tags=proxy8"]) as mod:
     got = mod.problems()
-  assert got[0] == ("mixtral8x22b_o_proj_m512", 512, 768, 6144)
-  assert len(got) == 17 and all(name.endswith("_proxy8") for name, *_ in got[1:])
+  assert len(got) == 16 and all(name.endswith("_proxy8") for name, *_ in got)
+  # Names and tags together select as matmul_rs_bench and autotune do: the named shapes that
+  # carry every tag, in the table's order.
+  names = "--names=mixtral8x22b_w2_m2048_proxy8,llama70b_o_proj_m512,llama70b_o_proj_m512_proxy8"
+  with helpers.parsed_script("sustained_load", [names, "--tags=proxy8"]) as mod:
+    assert [name for name, *_ in mod.problems()] == ["llama70b_o_proj_m512_proxy8",
+                                                    "mixtral8x22b_w2_m2048_proxy8"]
+  with (helpers.parsed_script("sustained_load", ["--names=llama70b_o_proj_m512",
+                                                 "--tags=proxy8"]) as mod,
+        pytest.raises(app.UsageError, match="no shape has every tag of --tags=proxy8")):
+    mod.check_flags()
   with helpers.parsed_script("sustained_load", ["--m=64", "--k=32", "--n=48"]) as mod:
     assert mod.problems() == [("m64_k32_n48", 64, 32, 48)]
 
