@@ -10,7 +10,11 @@ x [M, K/D] @ w [K/D, N] (D = 8's k_shard is the proxy8 shapes'); times (CUPTI, m
 shape, comm fields dropped: at D = 1 the kernel is its GEMM core, the "neither" ablation's
 work without the split into chunks) and `hopper_matmul_mgpu.matmul` with the TuningConfigs of
 --jax (tile_m x tile_n per warpgroup, wg split M or N, cluster multicast along M or N or none).
-Every output is checked against an f32 reference (error <= 1.1x XLA's). JSON after every case
+Every output is checked against an f32 reference (error <= 1.1x XLA's). --xla adds other forms
+of XLA's dot beside the benchmarks' `xla_dot` (`dot(preferred_element_type=f32).astype(bf16)`,
+the unfused path's GEMM in `pallas_rs.reference`): "bf16" is `jnp.dot(x, w)`, the same
+arithmetic (f32 accumulation, one rounding) in the form most model code writes; does XLA give
+it another kernel? Each function's kernels (CUPTI names) go into the JSON. JSON after every case
 under --out; a table last (time / XLA's dot).
 """
 from __future__ import annotations
@@ -41,10 +45,19 @@ _OURS = flags.DEFINE_list("ours", ["table", "t128x128_s4", "t64x128_s4", "t128x6
 # tile_m x tile_n (per warpgroup), wg split dimension, cluster dimension (- = none).
 _JAX = flags.DEFINE_list("jax", ["128x128_N_-", "128x128_N_M", "64x192_M_-", "64x192_M_N"],
                          "jax hopper_matmul_mgpu TuningConfigs tMxtN_wgdim_clusterdim.")
+# The forms of XLA's dot besides "xla_dot"; each is timed as "xla_dot:<form>".
+XLA_FORMS = {"bf16": lambda a, b: jnp_dot(a, b),
+             "out_bf16": lambda a, b: jnp_dot(a, b, preferred_element_type=a.dtype)}
+_XLA = flags.DEFINE_list("xla", [], f"Other forms of XLA's dot, of {sorted(XLA_FORMS)}.")
 _STEPS = flags.DEFINE_integer("steps", 4, "jax configs: pipeline steps (fit to SMEM down).")
 _ITERS = flags.DEFINE_integer("iterations", 50, "Timed iterations per variant.")
 _TIMING = flag_checks.TimingFlags(__name__, "a shape's variants")
 _OUT = flags.DEFINE_string("out", "", "JSON output path; default experiments/out/gemm_core.json.")
+
+
+def jnp_dot(a, b, **kwargs):
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  return jnp.dot(a, b, **kwargs)
 
 
 def jax_config(hm, token: str, steps: int):
@@ -71,6 +84,7 @@ def check_flags() -> None:
   flag_checks.positive_ints("ds", _DS.value)
   _TIMING.check()
   flag_checks.variant_names("ours", _OURS.value)
+  flag_checks.subset("xla", _XLA.value, sorted(XLA_FORMS))
 
 
 def main(argv):
@@ -98,12 +112,13 @@ def main(argv):
         case = shapes.by_name(f"{proj}_m512")  # the projection's K and N; M is any --ms
         k_shard, n = case.k // d, case.n
         row = dict(name=f"{proj}_m{m}", d=d, m=m, k_shard=k_shard, n=n, times_us={},
-                   configs={}, max_rel_error={})
+                   configs={}, max_rel_error={}, kernels={})
         x, w = testing.generate(0, m, k_shard, n)
         ref = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32,
                                            precision="highest"))(x, w)
         fns = {"xla_dot": jax.jit(lambda a, b: jnp.dot(
             a, b, preferred_element_type=jnp.float32).astype(a.dtype))}
+        fns.update({f"xla_dot:{form}": jax.jit(XLA_FORMS[form]) for form in _XLA.value})
         try:
           base = tuned_config(m=m, k_shard=k_shard, n=n, dtype=x.dtype, num_devices=d)
         except NotImplementedError:
@@ -155,6 +170,7 @@ def main(argv):
             fail(label, e)
             continue
           row["times_us"][label] = t.times_us
+          row["kernels"][label] = t.kernels
           row.setdefault("timer", t.timer)
         rows.append(row)
         med = {k: statistics.median(v) for k, v in row["times_us"].items()}
@@ -167,11 +183,11 @@ def main(argv):
 
 def table(rows) -> str:
   """Per row: XLA's median, the fastest config of ours and of jax's among those whose output
-  kept the rule (error <= 1.1x XLA's + 1e-6; a NaN error or a missing XLA error does not), and
+  kept the rule, each --xla form's time / XLA's (those that kept it) (error <= 1.1x XLA's + 1e-6; a NaN error or a missing XLA error does not), and
   how many were dropped from that pick: "bad err" (checked, over the rule), "failed" (did not
   build or run)."""
   lines = [f"{'shape':26} {'D':>2} {'xla us':>7} {'best ours':>18} {'/xla':>6} "
-           f"{'best jax':>16} {'/xla':>6} {'bad err':>7} {'failed':>6}"]
+           f"{'best jax':>16} {'/xla':>6} {'bad err':>7} {'failed':>6} xla forms /xla"]
   for r in rows:
     med = {k: statistics.median(v) for k, v in r["times_us"].items()}
     xla = med.get("xla_dot", float("nan"))
@@ -182,9 +198,11 @@ def table(rows) -> str:
     pick = lambda p: min(((v, k) for k, v in med.items() if k.startswith(p) and k not in bad),
                          default=(float("nan"), "-"))
     (to, ko), (tj, kj) = pick("ours:"), pick("jax:")
+    forms = " ".join(f"{k[8:]}={v / xla:.3f}" for k, v in med.items()
+                     if k.startswith("xla_dot:") and k not in bad)
     lines.append(f"{r['name']:26} {r['d']:>2} {xla:7.1f} {ko[5:]:>12} {to:5.1f} "
                  f"{to / xla:6.3f} {kj[4:]:>12} {tj:5.1f} {tj / xla:6.3f} {len(bad):>7} "
-                 f"{len(failed):>6}")
+                 f"{len(failed):>6} {forms}".rstrip())
   return "\n".join(lines)
 
 
