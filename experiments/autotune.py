@@ -306,6 +306,7 @@ def _gate_entry(*, gpu_kind, d, m, n, k_shard, best, xla, env, mode,
 def tune_single_gpu(case, env) -> tuple[list[dict], list[dict]]:
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from pallas_rs import reference  # pylint: disable=g-import-not-at-top
   from pallas_rs.kernel import fused  # pylint: disable=g-import-not-at-top
   from pallas_rs.tuning import candidates  # pylint: disable=g-import-not-at-top
   from pallas_rs.bench import testing  # pylint: disable=g-import-not-at-top
@@ -315,8 +316,7 @@ def tune_single_gpu(case, env) -> tuple[list[dict], list[dict]]:
   x, w = testing.generate(FLAGS.seed, m, k_shard, n)
   ref = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32,
                                      precision="highest"))(x, w)
-  xla_fn = jax.jit(lambda a, b: jnp.dot(
-      a, b, preferred_element_type=jnp.float32).astype(a.dtype))
+  xla_fn = jax.jit(reference.dot)
   compiled = {}
   records = [time_candidate("xla_dot", xla_fn, (x, w), ref, num_devices=1,
                             xla_err=None, keep=compiled)]

@@ -13,12 +13,27 @@ import jax.numpy as jnp
 import numpy as np
 
 
+def dot(a: jax.Array, b: jax.Array, out_dtype=None) -> jax.Array:
+  """`a @ b` accumulated in fp32 and rounded once to `out_dtype` (default `a.dtype`): the
+  unfused path's GEMM, and every XLA baseline's.
+
+  XLA is asked for the output dtype itself, not for an fp32 product and a cast: the cast form
+  gives the same values but XLA then fuses the cast into a Triton GEMM and never chooses
+  cuBLAS, 3-23% slower on every seed GEMM tried on an H100 (BUILD_NOTES, 2026-12-06,
+  eighty-eighth session).
+  """
+  out_dtype = jnp.dtype(out_dtype or a.dtype)
+  if out_dtype in (jnp.dtype(jnp.float32), jnp.result_type(a, b)):
+    return jnp.dot(a, b, preferred_element_type=out_dtype)
+  return jnp.dot(a, b, preferred_element_type=jnp.float32).astype(out_dtype)
+
+
 def matmul_reduce_scatter(x: jax.Array, w: jax.Array, *, axis_name,
                           scatter_dimension: int = 0) -> jax.Array:
   """`psum_scatter(x @ w)`; call inside `jax.shard_map`.
 
   The per-device product accumulates in fp32 and is rounded to `x.dtype` before
-  the reduce-scatter (what users run today: `jnp.dot` then NCCL).
+  the reduce-scatter (what users run today: `jnp.dot` then NCCL; `dot`).
 
   Args:
     x: [m, k_shard], this device's slice of the contraction dimension.
@@ -30,7 +45,7 @@ def matmul_reduce_scatter(x: jax.Array, w: jax.Array, *, axis_name,
     [m // num_devices, n] for scatter_dimension=0, [m, n // num_devices] for 1:
     chunk `axis_index` of `sum over devices of x @ w`.
   """
-  y = jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+  y = dot(x, w)
   return lax.psum_scatter(y, axis_name, scatter_dimension=scatter_dimension,
                           tiled=True)
 
@@ -55,8 +70,7 @@ def all_gather_matmul(lhs: jax.Array, rhs: jax.Array, axis_name, *,
     operand is returned so that the caller's second matmul does not gather again.
   """
   lhs_full = lax.all_gather(lhs, axis_name, axis=gather_dimension, tiled=True)
-  out = jnp.dot(lhs_full, rhs, preferred_element_type=jnp.float32)
-  return out.astype(out_dtype or lhs.dtype), lhs_full
+  return dot(lhs_full, rhs, out_dtype), lhs_full
 
 
 def numpy_reference(xs, ws, scatter_dimension: int = 0) -> np.ndarray:

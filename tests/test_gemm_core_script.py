@@ -38,16 +38,16 @@ def _run(tmp_path, jax_configs, stand_ins, extra=()):
 def test_gemm_core_script_plumbing(tmp_path):
   # (A variant equal to the base is dropped as the same kernel: the default at D = 8, M = 512
   # is 128 x 128 warpgroup tiles along N (pairs), so the variants here are others.)
-  proc, row = _run(tmp_path, "64x192_M_-,128x128_N_M", STAND_INS, ["--xla=bf16"])
+  proc, row = _run(tmp_path, "64x192_M_-,128x128_N_M", STAND_INS, ["--xla=plain"])
   assert (row["name"], row["d"], row["k_shard"], row["n"]) == ("mixtral8x22b_o_proj_m512", 8,
                                                                  768, 6144)
   assert "wg_dimension=M" in row["configs"]["ours:t64x256_wm"]
   assert "tile_n=256" in row["configs"]["ours:t64x256_wm"]
   assert "cluster_dimension=M" in row["configs"]["jax:128x128_N_M"]
-  assert set(row["times_us"]) == {"xla_dot", "xla_dot:bf16", "ours:table", "ours:t64x256_wm",
+  assert set(row["times_us"]) == {"xla_dot", "xla_dot:plain", "ours:table", "ours:t64x256_wm",
                                   "ours:t64x128", "jax:64x192_M_-", "jax:128x128_N_M"}
   assert set(row["kernels"]) == set(row["times_us"])  # None on a CPU: no CUPTI
-  assert " bf16=" in proc.stdout  # the form's time / XLA's in the table
+  assert " plain=" in proc.stdout  # the form's time / XLA's in the table
   assert all(len(v) == 2 for v in row["times_us"].values())
   assert max(row["max_rel_error"].values()) < 2.0**-7
   assert "bad err" in proc.stdout  # the table printed last
