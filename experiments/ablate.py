@@ -82,7 +82,6 @@ def main(argv):
   check_flags()
   import jax  # pylint: disable=g-import-not-at-top
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from pallas_rs.kernel import fused  # pylint: disable=g-import-not-at-top
   from pallas_rs import reference  # pylint: disable=g-import-not-at-top
   from pallas_rs.bench import shapes  # pylint: disable=g-import-not-at-top
@@ -115,8 +114,7 @@ def main(argv):
       args = testing.generate(0, m, k_shard, n)
       build = lambda ablate, cfg: jax.jit(functools.partial(
           fused.rank_alone, num_devices=d, rank=_RANK.value, ablate=ablate, config=cfg))
-      baselines = {"xla_gemm": jax.jit(
-          lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(a.dtype))}
+      baselines = {"xla_gemm": jax.jit(reference.dot)}
       check = None
     elif nvlink:
       mesh = jax.make_mesh((d,), ("tp",), devices=gpus[:d])
@@ -132,8 +130,7 @@ def main(argv):
           "xla_seq": jax.jit(jax.shard_map(functools.partial(
               reference.matmul_reduce_scatter, axis_name="tp"), **specs)),
           "xla_gemm": jax.jit(jax.shard_map(
-              lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(a.dtype),
-              **dict(specs, out_specs=P(None, "tp")))),
+              reference.dot, **dict(specs, out_specs=P(None, "tp")))),
       }
       check = lambda out: reference.max_rel_error(jax.device_get(out).reshape(d, m // d, n), ref)
     else:
@@ -143,8 +140,7 @@ def main(argv):
           fused.loopback_matmul_reduce_scatter, ablate=ablate, config=cfg))
       # Timed in source order; each kernel judged against the order its numerics copies.
       baselines = {"xla_seq": testing.loopback_unfused("source"),
-                   "xla_gemm": jax.jit(lambda a, b: jnp.einsum(
-                       "dmk,dkn->dmn", a, b, preferred_element_type=jnp.float32).astype(a.dtype))}
+                   "xla_gemm": jax.jit(jax.vmap(reference.dot))}
       check = lambda out: reference.max_rel_error(jax.device_get(out), ref)
     base = tuned_config(m=m, k_shard=k_shard, n=n, dtype=args[0].dtype, num_devices=d)
     fns, cfgs, row["configs"] = dict(baselines), {}, {}

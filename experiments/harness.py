@@ -344,7 +344,7 @@ def _smap(body, mesh, in_specs, out_specs=P(AXIS, None)):
 
 
 def _gemm(x, w, *, dtype):
-  return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(dtype)
+  return reference.dot(x, w, dtype)
 
 
 def _reduce_scatter(y):
@@ -533,7 +533,7 @@ def local_records(mode: str, case, settings: Settings) -> list[dict[str, Any]]:
 
 
 def _stacked_dots(xs, ws, *, dtype):
-  return jnp.einsum("dmk,dkn->dmn", xs, ws, preferred_element_type=jnp.float32).astype(dtype)
+  return jax.vmap(functools.partial(reference.dot, out_dtype=dtype))(xs, ws)
 
 
 def loopback_records(mode: str, case, settings: Settings) -> list[dict[str, Any]]:

@@ -33,12 +33,13 @@ from jax import lax
 import jax.numpy as jnp
 
 from pallas_rs import model
+from pallas_rs import reference
 
 LAYERS = model.LAYERS
 
 
 def _dot(a, b, dtype):
-  return jnp.dot(a, b, preferred_element_type=jnp.float32).astype(dtype)
+  return reference.dot(a, b, dtype)
 
 
 def _local_gather(x, axis_name):

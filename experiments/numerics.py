@@ -360,8 +360,7 @@ def multi_gpu_fn(d, cfgs):
               for c in cfgs]
       # optimization_barrier keeps the bf16 values at both ends of the collective as a user's
       # program has them (no fusion of the f32 error computation into the reduce-scatter).
-      part = lax.optimization_barrier(
-          jnp.dot(xl, wl, preferred_element_type=jnp.float32).astype(xl.dtype))
+      part = lax.optimization_barrier(reference.dot(xl, wl))
       unfused = lax.optimization_barrier(
           lax.psum_scatter(part, AXIS, scatter_dimension=0, tiled=True))
       ref = lax.dynamic_slice_in_dim(_f32_ref(x, w), r * p["chunk"], p["chunk"], axis=0)
@@ -599,6 +598,7 @@ def _save_hlo(out_dir: Path, stem: str, name: str, compiled) -> dict:
 
 def baseline_multi_gpu(d, families, modes, out_path: Path) -> dict:
   import jax  # pylint: disable=g-import-not-at-top
+  from pallas_rs import reference  # pylint: disable=g-import-not-at-top
   from jax import lax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
@@ -608,13 +608,12 @@ def baseline_multi_gpu(d, families, modes, out_path: Path) -> dict:
   mesh = _mesh(d)
   specs = dict(mesh=mesh, in_specs=(P(None, AXIS), P(AXIS, None)), check_vma=False)
 
-  def user(x, w):  # Exactly what users write (reference.matmul_reduce_scatter).
-    return lax.psum_scatter(jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype),
-                            AXIS, scatter_dimension=0, tiled=True)
+  def user(x, w):  # Exactly what users run: the unfused path.
+    return reference.matmul_reduce_scatter(x, w, axis_name=AXIS)
 
-  def with_partials(x, w):  # The same, also returning the fp32 partial that was rounded.
-    part = jnp.dot(x, w, preferred_element_type=jnp.float32)
-    out = lax.psum_scatter(part.astype(x.dtype), AXIS, scatter_dimension=0, tiled=True)
+  def with_partials(x, w):  # The same, also returning the rounded partial it reduces.
+    part = reference.dot(x, w)
+    out = lax.psum_scatter(part, AXIS, scatter_dimension=0, tiled=True)
     return part[None], out
 
   user_f = jax.jit(jax.shard_map(user, out_specs=P(AXIS, None), **specs))

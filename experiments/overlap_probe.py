@@ -182,8 +182,7 @@ def main(argv):
       row = dict(name=label, d=d, m=m, n=n, k_shard=k_shard, times_us={}, configs={})
       base_fns = {
           "xla_gemm": (jax.jit(jax.shard_map(
-              lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(a.dtype),
-              **dict(specs, out_specs=P(None, "tp")))), args),
+              reference.dot, **dict(specs, out_specs=P(None, "tp")))), args),
           "xla_comm": (jax.jit(jax.shard_map(
               lambda t: lax.psum_scatter(t, "tp", scatter_dimension=0, tiled=True),
               mesh=mesh, in_specs=P("tp", None), out_specs=P("tp", None), check_vma=False)), (y,)),

@@ -109,9 +109,9 @@ def allocate_ballast(mib: int, d: int) -> list:
 def build(name: str, function: str, d: int):
   """(jitted function, args): `function` of case `name` on the first `d` GPUs."""
   import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
   import pallas_rs  # pylint: disable=g-import-not-at-top
+  from pallas_rs import reference  # pylint: disable=g-import-not-at-top
   from pallas_rs.bench import shapes  # pylint: disable=g-import-not-at-top
   from pallas_rs.bench import testing  # pylint: disable=g-import-not-at-top
   from pallas_rs.kernel import fused  # pylint: disable=g-import-not-at-top
@@ -133,7 +133,7 @@ def build(name: str, function: str, d: int):
   def body(xs, ws):
     if function == "fused":
       return pallas_rs.matmul_reduce_scatter(xs, ws, axis_name="tp", implementation="fused")
-    y = jnp.dot(xs, ws, preferred_element_type=jnp.float32).astype(xs.dtype)
+    y = reference.dot(xs, ws)
     if function == "seq":
       y = jax.lax.psum_scatter(y, "tp", scatter_dimension=0, tiled=True)
     return y

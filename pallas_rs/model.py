@@ -49,6 +49,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from pallas_rs import api
+from pallas_rs import reference
 
 # The block's four collective matmuls, in program order.
 LAYERS = ("qkv", "o_proj", "gate_up", "down_proj")
@@ -157,8 +158,7 @@ def _column_bwd(axis_name, implementation, ag_implementation, config, res, dy):
   dx = api.matmul_reduce_scatter(dy, w.T, axis_name=axis_name,
                                  implementation=implementation)
   x_full = lax.all_gather(x, axis_name, axis=0, tiled=True)
-  dw = jnp.dot(x_full.T, dy, preferred_element_type=jnp.float32)
-  return dx, dw.astype(w.dtype)
+  return dx, reference.dot(x_full.T, dy, w.dtype)
 
 
 column_parallel_matmul.defvjp(_column_fwd, _column_bwd)

@@ -139,8 +139,7 @@ def _bwd(axis_name, scatter_dimension, implementation, config, res, dy):
         dimension=scatter_dimension, implementation="auto")
   dx, dy_full = run_all_gather_matmul(dy, w.T, axis_name, gather_dimension=scatter_dimension,
                                       out_dtype=x.dtype, decision=decision)
-  dw = jnp.dot(x.T, dy_full, preferred_element_type=jnp.float32)
-  return dx, dw.astype(w.dtype)
+  return dx, reference.dot(x.T, dy_full, w.dtype)
 
 
 matmul_reduce_scatter.defvjp(_fwd, _bwd)
