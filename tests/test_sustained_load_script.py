@@ -167,14 +167,14 @@ def test_main_writes_every_shape_and_case_as_it_goes(tmp_path, monkeypatch):
 
 
 def test_the_table_of_another_gpu_kind_gives_configs_and_decisions():
-  # The H200's D = 1 entries (an H100 or a CPU names them with --table_gpu_kind): mixtral o_proj
+  # The H200's D = 1 entries (an H100 or a CPU names them with --table_gpu_kind): mixtral w2
   # at M = 512 runs the kernel, llama o_proj at M = 512 XLA's dot; a CPU's own kind has none.
   with helpers.parsed_script("sustained_load", ["--table_gpu_kind=NVIDIA H200"]) as mod:
     assert mod.table_gpu_kind() == "NVIDIA H200"
-    assert mod.auto_runs(512, 768, 6144) == "fused"
+    assert mod.auto_runs(512, 2048, 6144) == "fused"
     assert mod.auto_runs(512, 1024, 8192) == "xla"
   with helpers.parsed_script("sustained_load", []) as mod:
-    assert mod.auto_runs(512, 768, 6144) == "xla"
+    assert mod.auto_runs(512, 2048, 6144) == "xla"
 
 
 def test_main_at_d2_runs_the_public_api_with_the_config_it_records(tmp_path, monkeypatch):
