@@ -13,7 +13,8 @@ work without the split into chunks) and `hopper_matmul_mgpu.matmul` with the Tun
 Every output is checked against an f32 reference (error <= 1.1x XLA's). XLA's dot is the
 benchmarks' (`pallas_rs.reference.dot`: the output dtype asked of XLA); --xla adds other forms of
 the same arithmetic (fp32 accumulation, one rounding): "f32_astype", an fp32 product then a cast
-(the benchmarks' form until 2026-12-06, which XLA gives only Triton GEMMs), "plain",
+(the benchmarks' form until 2026-12-06: XLA runs it as a Triton GEMM with the cast fused or
+as cuBLAS writing fp32 then a convert kernel), "plain",
 `jnp.dot(x, w)`. Each function's kernels (CUPTI names) go into the JSON. JSON after every case
 under --out; a table last (time / XLA's dot).
 """

@@ -18,9 +18,9 @@ def dot(a: jax.Array, b: jax.Array, out_dtype=None) -> jax.Array:
   unfused path's GEMM, and every XLA baseline's.
 
   XLA is asked for the output dtype itself, not for an fp32 product and a cast: the cast form
-  gives the same values but XLA then fuses the cast into a Triton GEMM and never chooses
-  cuBLAS, 3-23% slower on every seed GEMM tried on an H100 (BUILD_NOTES, 2026-12-06,
-  eighty-eighth session).
+  gives the same values, but XLA runs it as a Triton GEMM with the cast fused or as cuBLAS
+  writing fp32 and then a convert kernel, 3-23% slower on every seed GEMM tried on an H100
+  (BUILD_NOTES, 2026-12-06, eighty-eighth session).
   """
   out_dtype = jnp.dtype(out_dtype or a.dtype)
   if out_dtype in (jnp.dtype(jnp.float32), jnp.result_type(a, b)):
