@@ -88,8 +88,8 @@ UNFUSED_BASELINES = {
     "loopback": ("reference.loopback_matmul_reduce_scatter(order='ring') (XLA, bf16 rounding "
                  "after every add, NCCL's ring order on the identity ring)",
                  "reference.loopback_matmul_reduce_scatter(order='source')"),
-    "multi_gpu": ("the real unfused path: jnp.dot(f32).astype(bf16) then lax.psum_scatter over "
-                  "NCCL", None),
+    "multi_gpu": ("the real unfused path: reference.dot (XLA's bf16-output GEMM) then "
+                  "lax.psum_scatter over NCCL", None),
 }
 
 _MODE = flags.DEFINE_list("mode", ["emulate"], f"Run modes: comma list of {RUN_MODES}.")
@@ -342,6 +342,7 @@ def multi_gpu_fn(d, cfgs):
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  from pallas_rs import reference  # pylint: disable=g-import-not-at-top
   from pallas_rs.kernel import fused  # pylint: disable=g-import-not-at-top
   p = problem(d)
   mesh = _mesh(d)
@@ -598,7 +599,6 @@ def _save_hlo(out_dir: Path, stem: str, name: str, compiled) -> dict:
 
 def baseline_multi_gpu(d, families, modes, out_path: Path) -> dict:
   import jax  # pylint: disable=g-import-not-at-top
-  from pallas_rs import reference  # pylint: disable=g-import-not-at-top
   from jax import lax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
@@ -608,12 +608,17 @@ def baseline_multi_gpu(d, families, modes, out_path: Path) -> dict:
   mesh = _mesh(d)
   specs = dict(mesh=mesh, in_specs=(P(None, AXIS), P(AXIS, None)), check_vma=False)
 
-  def user(x, w):  # Exactly what users run: the unfused path.
-    return reference.matmul_reduce_scatter(x, w, axis_name=AXIS)
+  # The unfused path with its GEMM in the cast form (not `reference.dot`'s): the emulations
+  # start from fp32 partials, and only the cast form's bf16 partial is exactly their rounding
+  # (XLA's bf16-output GEMM may accumulate in another order). The question here is the
+  # reduce-scatter's order, which the GEMM's form does not change.
+  def user(x, w):
+    return lax.psum_scatter(jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype),
+                            AXIS, scatter_dimension=0, tiled=True)
 
-  def with_partials(x, w):  # The same, also returning the rounded partial it reduces.
-    part = reference.dot(x, w)
-    out = lax.psum_scatter(part, AXIS, scatter_dimension=0, tiled=True)
+  def with_partials(x, w):  # The same, also returning the fp32 partial that was rounded.
+    part = jnp.dot(x, w, preferred_element_type=jnp.float32)
+    out = lax.psum_scatter(part.astype(x.dtype), AXIS, scatter_dimension=0, tiled=True)
     return part[None], out
 
   user_f = jax.jit(jax.shard_map(user, out_specs=P(AXIS, None), **specs))
