@@ -185,9 +185,9 @@ def main(argv):
 
 def table(rows) -> str:
   """Per row: XLA's median, the fastest config of ours and of jax's among those whose output
-  kept the rule, each --xla form's time / XLA's (those that kept it) (error <= 1.1x XLA's + 1e-6; a NaN error or a missing XLA error does not), and
+  kept the rule (error <= 1.1x XLA's + 1e-6; a NaN error or a missing XLA error does not), and
   how many were dropped from that pick: "bad err" (checked, over the rule), "failed" (did not
-  build or run)."""
+  build or run); last, each --xla form's time / XLA's (the forms that kept the rule)."""
   lines = [f"{'shape':26} {'D':>2} {'xla us':>7} {'best ours':>18} {'/xla':>6} "
            f"{'best jax':>16} {'/xla':>6} {'bad err':>7} {'failed':>6} xla forms /xla"]
   for r in rows:
