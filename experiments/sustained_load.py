@@ -6,10 +6,11 @@
       --tags=proxy8 --steps=4,200ms,200ms
 
 One step run --steps times inside one jitted call, for XLA and pallas_rs's kernel. At D = 1
-(--devices=1) a step is the GEMM x [m, k] @ w [k, n]: XLA's dot against `fused.local_matmul`.
+(--devices=1) a step is the GEMM x [m, k] @ w [k, n]: XLA's dot (`reference.dot`, the unfused
+path's GEMM) against `fused.local_matmul`.
 At D >= 2 it is a row-parallel layer on the first D GPUs, inside shard_map: each device's
-x [m, k] @ w [k, n] reduce-scattered to [m / D, n], `jnp.dot` + `psum_scatter` (the unfused
-path) against `pallas_rs.matmul_reduce_scatter(implementation="fused")`. The kernel runs the
+x [m, k] @ w [k, n] reduce-scattered to [m / D, n], `reference.dot` + `psum_scatter` (the
+unfused path) against `pallas_rs.matmul_reduce_scatter(implementation="fused")`. The kernel runs the
 tuning table's config for the shape (of --table_gpu_kind's entries), else the default. Shapes:
 --m/--k/--n, or each --names/--tags shape's per-device problem (m, its k_shard, n: the table's
 keys at D = 1; at D = 2 a seed shape's is its proxy8 shape). A --steps entry is N steps or
@@ -148,13 +149,13 @@ def repeated(function: str, steps: int, config=None, mesh=None):
   w [k, n]; on a 1-D mesh of D devices on global x [m, D k] and w [D k, n] sharded over AXIS
   (`testing.row_parallel_shardings`), giving [m, n] reduce-scattered over the devices."""
   import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
   import pallas_rs  # pylint: disable=g-import-not-at-top
   from pallas_rs import reference  # pylint: disable=g-import-not-at-top
   from pallas_rs.kernel import fused  # pylint: disable=g-import-not-at-top
   if mesh is None:
-    op = jnp.dot if function == "xla" else lambda x, w: fused.local_matmul(x, w, config=config)
+    op = (reference.dot if function == "xla"
+          else lambda x, w: fused.local_matmul(x, w, config=config))
     return jax.jit(repeat(op, steps))
   if function == "xla":
     op = lambda x, w: reference.matmul_reduce_scatter(x, w, axis_name=AXIS)
