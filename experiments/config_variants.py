@@ -32,7 +32,8 @@ def variant_config(base, name: str):
   of the owner's sum: recv_stages), eK (epilogue sub-tiles K columns wide), tadd (the owner's
   sum by TMA add: tma_add; D = 2 in the ring's numerics, D > 2 with pN, ring or fp32 partials),
   noadd (tma_add off), il / st (the
-  remote steps interleaved tile by tile / one after the other: interleave_steps), f32 / bf16
+  remote steps interleaved tile by tile / one after the other: interleave_steps), pf / nopf
+  (the next tile's blocks loaded during this tile's end: prefetch_tiles), f32 / bf16
   (partial dtype), ring (numerics mode "unfused_order"), gK (tile order: snake bands K tiles
   wide, grid_tile_width), gm / gn (the bands' minor dimension M / N: grid_minor_dim); then
   fitted to SMEM at D = 2
@@ -96,6 +97,8 @@ _TOKENS = (
     (r"tadd|noadd", lambda cfg, match, lib: dataclasses.replace(cfg, tma_add=match[0] == "tadd")),
     (r"il|st", lambda cfg, match, lib: dataclasses.replace(
         cfg, interleave_steps=match[0] == "il")),
+    (r"pf|nopf", lambda cfg, match, lib: dataclasses.replace(
+        cfg, prefetch_tiles=match[0] == "pf")),
     (r"f32|bf16", lambda cfg, match, lib: lib.with_partial_dtype(
         cfg, "float32" if match[0] == "f32" else "bfloat16", 2)),
     (r"ring", lambda cfg, match, lib: lib.with_numerics(cfg, "unfused_order", 2)),

@@ -91,8 +91,10 @@ def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _pipeline(k: Rank, pipeline_body, compute_context):
-  """jax's warp-specialised pipeline over k_shard for one CTA tile (the mainloop)."""
+def _pipeline(k: Rank, pipeline_body, compute_context, state=None):
+  """jax's warp-specialised pipeline over k_shard for one CTA tile (the mainloop); `state`
+  (Config.prefetch_tiles): jax's pipeline of pipelines, whose memory warpgroup goes on into
+  the CTA's next tile instead of draining at the end of this one."""
   c = k.config
   in_transforms = _swizzled(c.operand_swizzle_cols, k.x.dtype)
   return plgpu.emit_pipeline_warp_specialized(
@@ -109,7 +111,21 @@ def _pipeline(k: Rank, pipeline_body, compute_context):
       num_compute_wgs=_NUM_COMPUTE_WGS,
       max_concurrent_steps=c.max_concurrent_steps,
       compute_context=compute_context,
+      pipeline_state=state,
   )
+
+
+def _quiesce_prefetch(k: Rank, pipeline_allocs, wg_idx, count) -> None:
+  """With Config.prefetch_tiles, what jax's last pipeline (state STOP) does, which no tile can
+  be told in advance (a CTA's first tile may be its last): the memory warpgroup waits until
+  the compute warpgroups have released the last tile's slots, one per pipeline slot."""
+  slots = min(k.config.max_concurrent_steps, k.x.shape[1] // k.config.tile_k)
+
+  @pl.when((wg_idx == _NUM_COMPUTE_WGS) & (count > 0))
+  def _():
+    for slot in range(slots):
+      for barrier in pipeline_allocs["flat_consumed_barrier_refs"]:
+        plgpu.barrier_wait(barrier.at[slot])
 
 
 def _allocations(k: Rank) -> dict:
@@ -204,13 +220,19 @@ def _compute_program(k: Rank, scoped: dict, cta_index, num_compute):
           compute_context(lambda acc_ref: None)  # The epilogue of a tile of zeros.
       else:
         chunk = k.x.shape[0] // d
-        _pipeline(k, mma_body, compute_context)(
+        state = None
+        if c.prefetch_tiles:  # The CTA's first tile fills the pipeline; the others go on.
+          state = jnp.where(local_step == 0, plgpu.PipelinePipeline.START,
+                            plgpu.PipelinePipeline.STEADY)
+        _pipeline(k, mma_body, compute_context, state)(
             k.x.at[pl.ds(first_dst * chunk + m_idx * c.cta_tile_m, c.cta_tile_m), :],
             k.w.at[:, cta_n_slice],
             allocations=pipeline_allocs,
         )
 
     count = _strided_loop(cta_index, num_compute, k.steps * k.tiles, tile_body)
+    if c.prefetch_tiles and k.hooks.gemm:
+      _quiesce_prefetch(k, pipeline_allocs, wg_idx, count)
     # Announce this CTA's last tile if it went to a peer with a deferred signal.
     plgpu.wait_smem_to_gmem(0, wait_read_only=False)
     epi.announce_deferred(cta_index + (count - 1) * num_compute,

@@ -95,6 +95,11 @@ class Config:
       owner loads once instead of D - 1 times (`sum_slot`).
     interleave_steps: the remote steps walked tile by tile, step fastest (the own step still
       last; schedule.step_and_tile): a wave reads fewer columns of w where a step is one row.
+    prefetch_tiles: the memory warpgroup loads the first blocks of the CTA's next tile while
+      the compute warpgroups finish this one and write it out (jax's pipeline of pipelines),
+      instead of starting them after the tile's last block is consumed: a bubble per tile
+      that short k_shards (D = 8: 12-16 blocks) feel most. Needs the k_shard's blocks a
+      multiple of the pipeline depth (check_shape).
   """
   tile_m: int = 128
   tile_n: int = 128
@@ -115,6 +120,7 @@ class Config:
   comm_mode: str = "push"
   tma_add: bool = False
   interleave_steps: bool = False
+  prefetch_tiles: bool = False
 
   def __post_init__(self):
     tile_m, tile_n, tile_k = self.tile_m, self.tile_n, self.tile_k
@@ -313,6 +319,11 @@ class Config:
           f"(tile_n={self.tile_n}, wg_dimension={self.wg_dimension.name})")
     if k_shard % self.tile_k:
       raise NotImplementedError(f"{k_shard=} is not a multiple of tile_k={self.tile_k}")
+    blocks = k_shard // self.tile_k
+    if self.prefetch_tiles and blocks % min(self.max_concurrent_steps, blocks):
+      raise NotImplementedError(  # jax's pipeline of pipelines keeps its slots in step.
+          f"prefetch_tiles needs the {blocks} k blocks of {k_shard=} (tile_k={self.tile_k}) a "
+          f"multiple of max_concurrent_steps={self.max_concurrent_steps}")
     if self.tile_n % 32:
       raise NotImplementedError(
           f"tile_n={self.tile_n} must be a multiple of 32: the x and w blocks take the 128 B "
