@@ -22,7 +22,7 @@ def tuned_config(*, m: int, k_shard: int, n: int, dtype, num_devices: int,
                      gpu_kind=gpu_kind or platform.device_kind()).config.config
 
 
-def variant_config(base, name: str):
+def variant_config(base, name: str, num_devices: int = 2):
   """The config of a variant name, "_"-separated tokens applied to `base`: v1 (as is: the
   direct push), cN (N comm CTAs pushing), pN (N comm CTAs pulling), ow (no comm CTAs, the
   owner's epilogue loads the staged partials: comm_mode "owner", no TMA add, the CTA tile's
@@ -36,14 +36,15 @@ def variant_config(base, name: str):
   (the next tile's blocks loaded during this tile's end: prefetch_tiles), f32 / bf16
   (partial dtype), ring (numerics mode "unfused_order"), gK (tile order: snake bands K tiles
   wide, grid_tile_width), gm / gn (the bands' minor dimension M / N: grid_minor_dim); then
-  fitted to SMEM at D = 2
-  (`config.fit_smem`). "table" is accepted as a no-op (the base is the table's config)."""
+  fitted to SMEM at `num_devices` (`config.fit_smem`; D = 1 has no partials' SMEM, so a
+  pipeline that fits there alone stays as deep). "table" is accepted as a no-op (the base is
+  the table's config)."""
   from pallas_rs.kernel import config as config_lib  # pylint: disable=g-import-not-at-top
   cfg = base
   for token in name.split("_"):
     apply, match = _parse(token, name)
     cfg = apply(cfg, match, config_lib)
-  return config_lib.fit_smem(cfg, 2)
+  return config_lib.fit_smem(cfg, num_devices)
 
 
 def check_name(name: str) -> None:
