@@ -145,7 +145,7 @@ def main(argv):
     base = tuned_config(m=m, k_shard=k_shard, n=n, dtype=args[0].dtype, num_devices=d)
     fns, cfgs, row["configs"] = dict(baselines), {}, {}
     for cname in _CONFIGS.value:
-      cfg = variant_config(base, cname)
+      cfg = variant_config(base, cname, num_devices=d)
       try:  # The kernel's own check, as its entry point will run it.
         fused.check_supported(m=m, k_shard=k_shard, n=n, dtype=args[0].dtype, num_devices=d,
                               config=cfg, loopback=transport == "loopback",
