@@ -27,6 +27,12 @@ M = config_lib.MatmulDimension
     pytest.param(config_lib.Config(tile_m=64, tile_n=64, wg_dimension=M.M, max_concurrent_steps=2,
                                    grid_minor_dim=M.M, grid_tile_width=2, num_sms=5),
                  384, 64, 192, marks=pytest.mark.slow),
+    # prefetch_tiles: the memory warpgroup runs on into a CTA's next tile (8 tiles of 64 x 128,
+    # 4 blocks each, on 3 CTAs: 3, 3 and 2 tiles), and on 10 CTAs (one tile each, two idle).
+    (config_lib.Config(tile_m=64, tile_n=64, max_concurrent_steps=2, num_sms=3,
+                       prefetch_tiles=True), 256, 256, 256),
+    pytest.param(config_lib.Config(tile_m=64, tile_n=64, max_concurrent_steps=4, num_sms=10,
+                                   prefetch_tiles=True), 256, 256, 256, marks=pytest.mark.slow),
 ])
 def test_local_matmul_interpret(cfg, m, k, n):
   x, w = testing.generate(m + n, m, k, n)

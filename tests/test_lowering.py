@@ -655,3 +655,24 @@ def test_interleaved_walk_reaches_the_kernel(monkeypatch):
   for d, differ in ((8, True), (2, False)):
     on, off = (module(d, flag) for flag in (True, False))
     assert (on != off) == differ, d
+
+
+@pytest.mark.parametrize("d", [1, 8])
+def test_prefetch_tiles_lowers(d):
+  # jax's pipeline of pipelines across a CTA's tiles (Config.prefetch_tiles), 12 blocks deep 3
+  # and 4: at D = 1 (local) and in the D = 8 loopback (the pairs walk of 64-row chunks).
+  for steps in (3, 4):
+    cfg = config_lib.Config(tile_m=128, tile_n=128, max_concurrent_steps=steps,
+                            prefetch_tiles=True)
+    if d == 1:
+      x = jax.ShapeDtypeStruct((2048, 768), jnp.bfloat16)
+      w = jax.ShapeDtypeStruct((768, 1024), jnp.bfloat16)
+      jax.export.export(jax.jit(functools.partial(fused.local_matmul, config=cfg)),
+                        platforms=["cuda"])(x, w)
+    else:
+      cfg = config_lib.fit_smem(dataclasses.replace(cfg, recv_stages=1), d)
+      assert cfg.prefetch_runs(768), cfg  # (4 steps shorten to 3 at D > 1)
+      xs = jax.ShapeDtypeStruct((d, 512, 768), jnp.bfloat16)
+      ws = jax.ShapeDtypeStruct((d, 768, 1024), jnp.bfloat16)
+      jax.export.export(jax.jit(functools.partial(fused.loopback_matmul_reduce_scatter,
+                                                  config=cfg)), platforms=["cuda"])(xs, ws)

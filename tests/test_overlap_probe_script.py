@@ -45,6 +45,12 @@ def test_variant_names(overlap_probe):
   g = overlap_probe.variant_config(base, "gm_g4")
   assert (g.grid_minor_dim.name, g.grid_tile_width) == ("M", 4)
   assert overlap_probe.variant_config(g, "gn").grid_minor_dim.name == "N"
+  assert overlap_probe.variant_config(base, "pf").prefetch_tiles
+  assert not overlap_probe.variant_config(base, "pf_nopf").prefetch_tiles
+  # Fitted at the D asked: a 4-step 128 x 256 pipeline fits at D = 1 only.
+  s4 = overlap_probe.variant_config(base, "noadd_t128x128_s4", num_devices=1)
+  assert s4.max_concurrent_steps == 4
+  assert overlap_probe.variant_config(base, "noadd_t128x128_s4").max_concurrent_steps < 4
   r = overlap_probe.variant_config(base, "r6_s2_e32")
   assert (r.recv_stages, r.max_concurrent_steps, r.epi_tile_n) == (6, 2, 32) and r.fits_smem(2)
   # The D = 2 default already adds by TMA: "tadd" must turn it on from a config without it.

@@ -211,8 +211,10 @@ def test_candidates_vary_one_field_each_first():
   base = cands[0]
   changed = []
   for c in cands[1:]:
+    # prefetch_tiles follows the pipeline depth (wherever it runs: config.with_prefetch).
+    assert c.prefetch_tiles == c.prefetch_runs(K_SHARD), c
     diff = [f.name for f in dataclasses.fields(c)
-            if getattr(c, f.name) != getattr(base, f.name)]
+            if getattr(c, f.name) != getattr(base, f.name) and f.name != "prefetch_tiles"]
     assert len(diff) == 1, diff
     changed.append(diff[0])
   # The default's 128 x 256 tile stacks 64 x 256 warpgroup tiles along M: no other tile_m or
@@ -614,6 +616,41 @@ def test_comm_variants_keep_the_tiles_and_vary_only_the_comm_path():
       bf16, m=8192, n=8192, k_shard=2048, num_devices=4))
 
 
+def test_prefetch_runs_where_the_depth_divides_the_blocks():
+  s3 = config_lib.Config(max_concurrent_steps=3)
+  assert s3.prefetch_runs(768) and not s3.prefetch_runs(1024)  # 12 and 16 blocks of 64
+  assert config_lib.Config(max_concurrent_steps=4).prefetch_runs(128)  # depth cut to 2 blocks
+  with pytest.raises(NotImplementedError, match="16 k blocks .* max_concurrent_steps=3"):
+    dataclasses.replace(s3, prefetch_tiles=True).check_shape(
+        m=2048, n=6144, k_shard=1024, num_devices=8)
+  # The default takes it wherever its depth allows, and that happens on the seed's shapes.
+  seen = set()
+  for d in (1, 2, 8):
+    for m, n, k in ((2048, 8192, 8192), (2048, 8192, 28672), (2048, 6144, 6144),
+                    (2048, 6144, 16384)):
+      cfg = defaults.default_config(m=m, n=n, k_shard=k // d, num_devices=d)
+      assert cfg.prefetch_tiles == cfg.prefetch_runs(k // d), (m, n, k, d, cfg)
+      seen.add(cfg.prefetch_tiles)
+  assert seen == {True, False}
+
+
+def test_prefetch_variants_and_a_shortened_pipeline():
+  base = defaults.default_config(m=2048, n=6144, k_shard=768, num_devices=2)
+  off = dataclasses.replace(base, prefetch_tiles=False)
+  got = candidates.prefetch_variants(off, m=2048, n=6144, k_shard=768, num_devices=2)
+  assert [c.prefetch_tiles for c in got] == [False, True]
+  assert got[1] == dataclasses.replace(off, prefetch_tiles=True)
+  # 7 blocks: no depth of 2-6 divides them, so the incumbent alone.
+  assert candidates.prefetch_variants(off, m=2048, n=6144, k_shard=448,
+                                      num_devices=2) == [off]
+  # A 4-step pipeline over 16 blocks that must shorten to 3 (D > 1's receive stages) keeps
+  # the config, without the prefetch.
+  s4 = config_lib.Config(tile_m=128, tile_n=128, max_concurrent_steps=4, prefetch_tiles=True)
+  assert s4.fits_smem(1) and not s4.fits_smem(2)
+  got = candidates.adapt_config(s4, m=2048, n=8192, k_shard=1024, num_devices=2)
+  assert got.max_concurrent_steps == 3 and not got.prefetch_tiles
+
+
 def test_owner_variants_switch_the_tma_add_where_it_can_run():
   base = config_lib.with_numerics(config_lib.Config(tile_m=128, tile_n=128), "unfused_order", 2)
   got = candidates.owner_variants(base, m=8192, n=8192, k_shard=4096, num_devices=2)
@@ -945,7 +982,7 @@ def test_autotune_times_a_pulling_entrys_fallback_beside_it(monkeypatch):
     entry = _entry(8192, d=2, k_shard=4096, cfg=pull)
     entry["fallback"] = {"config": tuning.config_to_json(push), "times_us": [11.0]}
     shape = dict(m=8192, n=N, k_shard=4096, d=2)
-    for step in ("owner", "tiles", "order"):
+    for step in ("owner", "tiles", "order", "prefetch"):
       flags.FLAGS.candidates = step  # The script's flags leave with it (forget_scripts).
       with tuning.use_table(_table(entry)):
         got = autotune.multi_gpu_candidates(**shape)

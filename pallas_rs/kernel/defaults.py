@@ -13,6 +13,7 @@ from pallas_rs.kernel.config import cta_tile
 from pallas_rs.kernel.config import epi_tile_n_for
 from pallas_rs.kernel.config import nvlink_has_run
 from pallas_rs.kernel.config import tma_add_runs
+from pallas_rs.kernel.config import with_prefetch
 
 
 def default_numerics(num_devices: int) -> str:
@@ -121,7 +122,7 @@ def default_config(*, m: int, n: int, k_shard: int, num_devices: int,
   cfg = Config(tile_m=tile_m, tile_n=tile_n, tile_k=tile_k, epi_tile_m=64,
                epi_tile_n=epi_tile_n_for(tile_n, partial_dtype), wg_dimension=wg, num_sms=num_sms,
                partial_dtype=partial_dtype, owner_sum=owner_sum)
-  cfg = _largest_steps(cfg, num_devices)
+  cfg = with_prefetch(_largest_steps(cfg, num_devices), k_shard)
   grid = schedule.tile_grid(chunk, n, cfg.cta_tile_m, cfg.cta_tile_n,
                             cfg.chunk_group(m, num_devices))
   minor, width = _tile_order(grid, cfg.cta_tile_m, cfg.cta_tile_n, num_sms)

@@ -5,7 +5,8 @@
 `comm_variants` are one config's ways of moving the partials (direct push, comm CTAs pulling
 or pushing); `tile_variants` its CTA tile shapes (small M: how many SMs one wave fills, and
 how many waves the transfer can overlap); `order_variants` its tile orders (large M: what a
-wave reads); `ag_tile_variants` the same for the backward's
+wave reads); `prefetch_variants` it with and without Config.prefetch_tiles;
+`ag_tile_variants` the same for the backward's
 all-gather matmul (jax's kernel: `pallas_rs.kernel.ag_matmul`); `adapt_config` carries a
 config measured at one D to another (the loopback entries).
 """
@@ -102,11 +103,20 @@ def adapt_config(cfg: Config, *, m: int, n: int, k_shard: int,
     cand = dataclasses.replace(cand, tile_m=64)
   while not cand.fits_smem(num_devices) and cand.max_concurrent_steps > 2:
     cand = dataclasses.replace(cand, max_concurrent_steps=cand.max_concurrent_steps - 1)
+  cand = _prefetch_kept(cand, k_shard)
   try:
     cand.check_shape(m=m, n=n, k_shard=k_shard, num_devices=num_devices)
   except NotImplementedError:
     return None
   return cand
+
+
+def _prefetch_kept(cfg: Config, k_shard: int) -> Config:
+  """`cfg` with prefetch_tiles kept where it can still run (a pipeline shortened to fit SMEM
+  may no longer divide the k_shard's blocks): the config stays, without it."""
+  if cfg.prefetch_tiles and not cfg.prefetch_runs(k_shard):
+    return dataclasses.replace(cfg, prefetch_tiles=False)
+  return cfg
 
 
 # (comm_mode, comm_ctas) tried by comm_variants: the direct push, the owner's epilogue loading
@@ -154,7 +164,7 @@ def _fitting(configs, *, m: int, n: int, k_shard: int, num_devices: int) -> list
   repeats, in order."""
   out = []
   for cfg in configs:
-    cfg = config_lib.fit_smem(cfg, num_devices)
+    cfg = _prefetch_kept(config_lib.fit_smem(cfg, num_devices), k_shard)
     try:
       cfg.check_shape(m=m, n=n, k_shard=k_shard, num_devices=num_devices)
     except NotImplementedError:
@@ -207,6 +217,16 @@ def order_variants(base: Config, *, m: int, n: int, k_shard: int,
       for minor, width in ORDER_VARIANTS], m=m, n=n, k_shard=k_shard, num_devices=num_devices)
 
 
+def prefetch_variants(base: Config, *, m: int, n: int, k_shard: int,
+                      num_devices: int) -> list[Config]:
+  """`base` (the incumbent) first, then `base` with Config.prefetch_tiles switched over where
+  it can run for the k_shard (Config.prefetch_runs); those the kernel cannot take for the shape
+  left out."""
+  other = ([dataclasses.replace(base, prefetch_tiles=not base.prefetch_tiles)]
+           if base.prefetch_runs(k_shard) else [])
+  return _fitting([base, *other], m=m, n=n, k_shard=k_shard, num_devices=num_devices)
+
+
 def ag_tile_variants(m_shard: int, k: int, n: int) -> list:
   """jax's all-gather matmul configs for [m_shard, k] x [k, n] per device: its default
   (`ag_matmul.default_config`) first, then the default with each CTA tile of TILE_VARIANTS and
@@ -254,13 +274,14 @@ def search_space(*, m: int, n: int, k_shard: int, num_devices: int,
       continue
     if not config_lib.nvlink_has_run(tile_n, wg, tma_add, num_devices):
       continue  # NVLink refuses it (fused.nvlink_unverified): nothing to measure
-    cfg = Config(tile_m=tile_m, tile_n=tile_n, tile_k=64, max_concurrent_steps=steps,
-                 epi_tile_m=64, epi_tile_n=config_lib.epi_tile_n_for(tile_n, partial_dtype),
-                 wg_dimension=wg,
-                 recv_stages=recv_stages, grid_minor_dim=minor, grid_tile_width=width,
-                 num_sms=num_sms, eager_signal_steps=eager, comm_ctas=comm,
-                 out_slots=out_slots, partial_dtype=partial_dtype, owner_sum=owner_sum,
-                 tma_add=tma_add, interleave_steps=interleave[tile_m, tile_n, wg])
+    cfg = config_lib.with_prefetch(Config(  # As default_config: wherever it runs.
+        tile_m=tile_m, tile_n=tile_n, tile_k=64, max_concurrent_steps=steps,
+        epi_tile_m=64, epi_tile_n=config_lib.epi_tile_n_for(tile_n, partial_dtype),
+        wg_dimension=wg,
+        recv_stages=recv_stages, grid_minor_dim=minor, grid_tile_width=width,
+        num_sms=num_sms, eager_signal_steps=eager, comm_ctas=comm,
+        out_slots=out_slots, partial_dtype=partial_dtype, owner_sum=owner_sum,
+        tma_add=tma_add, interleave_steps=interleave[tile_m, tile_n, wg]), k_shard)
     try:
       cfg.check_shape(m=m, n=n, k_shard=k_shard, num_devices=num_devices)
     except NotImplementedError:
