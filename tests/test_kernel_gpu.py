@@ -505,3 +505,26 @@ def test_pairs_back_to_back_calls(split):
         _unfused_ring(xs, ws), ref), call
     if call % 10 == 0:
       helpers.assert_same_bits(out, f(xs, ws), call)
+
+
+# Config.prefetch_tiles (jax's pipeline of pipelines across a CTA's tiles) changes when blocks
+# are loaded, not what is added: every bit as without it in loopback, with the direct push and
+# pulling comm CTAs, several tiles per CTA (k_shard 768: 12 blocks, 3 and 4 steps), and at D = 1.
+@pytest.mark.parametrize("d,m,comm", [(2, 2048, {}), (4, 2048, dict(comm_ctas=2, comm_mode="pull")),
+                                      (8, 4096, dict(max_concurrent_steps=4))])
+def test_prefetch_tiles_change_no_bit(d, m, comm):
+  n, k_shard = 1536, 768
+  base = config_lib.fit_smem(dataclasses.replace(defaults.default_config(
+      m=m, n=n, k_shard=k_shard, num_devices=d), **comm), d)
+  assert base.prefetch_runs(k_shard), base
+  _same_bits([dataclasses.replace(base, prefetch_tiles=flag) for flag in (False, True)],
+             d, m, n, k_shard, seed=15000 + 10 * d)
+
+
+def test_prefetch_tiles_at_d1_change_no_bit():
+  x, w = testing.generate(15100, 2048, 768, 1536)
+  outs = [np.asarray(fused.local_matmul(x, w, config=config_lib.Config(
+      tile_m=128, tile_n=128, max_concurrent_steps=steps, prefetch_tiles=flag)))
+      for steps in (3, 4) for flag in (False, True)]
+  for got in outs[1:]:
+    helpers.assert_same_bits(outs[0], got)
