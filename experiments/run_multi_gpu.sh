@@ -180,24 +180,17 @@ llama70b_o_proj_m512,llama70b_o_proj_m32768,mixtral8x22b_w2_m2048,llama70b_down_
         --names="$names" --iterations=20 --margin=0.02 --table="$out/tuning_table.json" \
         --out="$out/autotune_$1_m$m.json" 2>&1 | quiet | tail -14
     done ;;
-  owner)
-    # The owner's sum by TMA add (Config.tma_add, D = 2): each of the 32 D = 2 entries (seed and
-    # proxy8) with it switched, into a copy of the tuning table; a challenger needs a 2% win.
+  owner|prefetch)
+    # Each of the 32 D = 2 entries (seed and proxy8) with one switch flipped where it runs, into
+    # a copy of the tuning table; a challenger needs a 2% win. "owner": the owner's sum by TMA
+    # add (Config.tma_add, D = 2); "prefetch": the next tile's blocks loaded during this tile's
+    # end (Config.prefetch_tiles: 2-10% off D = 8's short k_shards on one GPU, BUILD_NOTES
+    # 2026-12-06), which the entries, measured before it, leave off.
     cp pallas_rs/tuning/data/tuning_table.json "$out/tuning_table.json"
     for tag in seed proxy8; do
-      timeout 270 python3 experiments/autotune.py --mode=multi_gpu --candidates=owner \
+      timeout 270 python3 experiments/autotune.py --mode=multi_gpu --candidates="$1" \
         --tags=$tag --iterations=20 --margin=0.02 --table="$out/tuning_table.json" \
-        --out="$out/autotune_owner_$tag.json" 2>&1 | quiet | tail -18
-    done ;;
-  prefetch)
-    # The next tile's blocks loaded during this tile's end (Config.prefetch_tiles: 2-10% off
-    # D = 8's short k_shards on one GPU, BUILD_NOTES 2026-12-06): each of the 32 D = 2 entries
-    # with it switched where it runs, into a copy of the tuning table; a challenger needs 2%.
-    cp pallas_rs/tuning/data/tuning_table.json "$out/tuning_table.json"
-    for tag in seed proxy8; do
-      timeout 270 python3 experiments/autotune.py --mode=multi_gpu --candidates=prefetch \
-        --tags=$tag --iterations=20 --margin=0.02 --table="$out/tuning_table.json" \
-        --out="$out/autotune_prefetch_$tag.json" 2>&1 | quiet | tail -18
+        --out="$out/autotune_$1_$tag.json" 2>&1 | quiet | tail -18
     done ;;
   owner_pull)
     # comm_mode "owner" (docs/design.md section 3.2, never run over NVLink before): its bits
