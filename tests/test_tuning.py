@@ -636,10 +636,14 @@ def test_prefetch_runs_where_the_depth_divides_the_blocks():
 
 def test_prefetch_variants_and_a_shortened_pipeline():
   base = defaults.default_config(m=2048, n=6144, k_shard=768, num_devices=2)
-  off = dataclasses.replace(base, prefetch_tiles=False)
+  off = dataclasses.replace(base, prefetch_tiles=False, max_concurrent_steps=3)
   got = candidates.prefetch_variants(off, m=2048, n=6144, k_shard=768, num_devices=2)
-  assert [c.prefetch_tiles for c in got] == [False, True]
-  assert got[1] == dataclasses.replace(off, prefetch_tiles=True)
+  # 12 blocks: the flip at 3 steps, then 4 steps (fits at D = 2); 2 steps is not tried.
+  assert got == [off, dataclasses.replace(off, prefetch_tiles=True),
+                 dataclasses.replace(off, prefetch_tiles=True, max_concurrent_steps=4)]
+  # 64 blocks under 3 steps: no flip, 4 steps with it.
+  assert candidates.prefetch_variants(off, m=2048, n=6144, k_shard=4096, num_devices=2) == [
+      off, dataclasses.replace(off, prefetch_tiles=True, max_concurrent_steps=4)]
   # 7 blocks: no depth of 2-6 divides them, so the incumbent alone.
   assert candidates.prefetch_variants(off, m=2048, n=6144, k_shard=448,
                                       num_devices=2) == [off]

@@ -220,11 +220,19 @@ def order_variants(base: Config, *, m: int, n: int, k_shard: int,
 def prefetch_variants(base: Config, *, m: int, n: int, k_shard: int,
                       num_devices: int) -> list[Config]:
   """`base` (the incumbent) first, then `base` with Config.prefetch_tiles switched over where
-  it can run for the k_shard (Config.prefetch_runs); those the kernel cannot take for the shape
-  left out."""
-  other = ([dataclasses.replace(base, prefetch_tiles=not base.prefetch_tiles)]
-           if base.prefetch_runs(k_shard) else [])
-  return _fitting([base, *other], m=m, n=n, k_shard=k_shard, num_devices=num_devices)
+  it can run for the k_shard (Config.prefetch_runs), then with it at a pipeline one step
+  deeper or shallower (not under 3) where that depth divides the k blocks and fits SMEM: most
+  tuned entries have 3 steps, which divide none of D = 2's seed k_shards but Mixtral o_proj's
+  (one D = 2 rank alone on one H100: 4 steps with it 0.9-2.9% faster than 3 without on 5 of
+  those 12 entries, within 0.7% on 6, 3.4% slower on Llama down_proj M = 32768; BUILD_NOTES
+  2026-12-06). Those the kernel cannot take for the shape left out."""
+  flipped = dataclasses.replace(base, prefetch_tiles=not base.prefetch_tiles)
+  others = [flipped] if base.prefetch_runs(k_shard) else []
+  for steps in (base.max_concurrent_steps + 1, base.max_concurrent_steps - 1):
+    cfg = dataclasses.replace(base, max_concurrent_steps=steps, prefetch_tiles=True)
+    if steps >= 3 and cfg.prefetch_runs(k_shard) and cfg.fits_smem(num_devices):
+      others.append(cfg)
+  return _fitting([base, *others], m=m, n=n, k_shard=k_shard, num_devices=num_devices)
 
 
 def ag_tile_variants(m_shard: int, k: int, n: int) -> list:
