@@ -83,7 +83,8 @@ flags.DEFINE_enum("candidates", "search", ["search", "comm", "tiles", "owner", "
                   "that config with and without the owner's TMA add "
                   "(candidates.owner_variants: D = 2); 'order' = that config with each tile "
                   "order (candidates.order_variants: large M); 'prefetch' = that config "
-                  "with and without prefetch_tiles (candidates.prefetch_variants).")
+                  "with prefetch_tiles switched, and with it one pipeline step deeper or "
+                  "shallower (candidates.prefetch_variants).")
 flags.DEFINE_bool("loopback", True, "single_gpu: also time the loopback at the "
                   "case's D with the best 2 configs (informational entries).")
 flags.DEFINE_float("margin", 0.0, "Choose fused only if its median < (1 - "

@@ -185,7 +185,8 @@ llama70b_o_proj_m512,llama70b_o_proj_m32768,mixtral8x22b_w2_m2048,llama70b_down_
     # a copy of the tuning table; a challenger needs a 2% win. "owner": the owner's sum by TMA
     # add (Config.tma_add, D = 2); "prefetch": the next tile's blocks loaded during this tile's
     # end (Config.prefetch_tiles: 2-10% off D = 8's short k_shards on one GPU, BUILD_NOTES
-    # 2026-12-06), which the entries, measured before it, leave off.
+    # 2026-12-06), which the entries, measured before it, leave off; also at a depth one step
+    # off the entry's where that lets it run (most entries' 3 steps divide no D = 2 k_shard).
     cp pallas_rs/tuning/data/tuning_table.json "$out/tuning_table.json"
     for tag in seed proxy8; do
       timeout 270 python3 experiments/autotune.py --mode=multi_gpu --candidates="$1" \
