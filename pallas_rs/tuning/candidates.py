@@ -224,8 +224,9 @@ def prefetch_variants(base: Config, *, m: int, n: int, k_shard: int,
   deeper or shallower (not under 3) where that depth divides the k blocks and fits SMEM: most
   tuned entries have 3 steps, which divide none of D = 2's seed k_shards but Mixtral o_proj's
   (one D = 2 rank alone on one H100: 4 steps with it 0.9-2.9% faster than 3 without on 5 of
-  those 12 entries, within 0.7% on 6, 3.4% slower on Llama down_proj M = 32768; BUILD_NOTES
-  2026-12-06). Those the kernel cannot take for the shape left out."""
+  those 12 entries, within 0.7% on 6, 3.4% slower on Llama down_proj M = 32768, where the
+  table's own config moved 5.8% between two calls; BUILD_NOTES 2026-12-06). Those the kernel
+  cannot take for the shape left out."""
   flipped = dataclasses.replace(base, prefetch_tiles=not base.prefetch_tiles)
   others = [flipped] if base.prefetch_runs(k_shard) else []
   for steps in (base.max_concurrent_steps + 1, base.max_concurrent_steps - 1):
