@@ -418,9 +418,10 @@ def with_wg_along_n(cfg: Config) -> Config:
 def with_prefetch(cfg: Config, k_shard: int) -> Config:
   """`cfg` with prefetch_tiles wherever it can run over k_shard (Config.prefetch_runs), as the
   default and the search space take it. On one H100 (BUILD_NOTES 2026-12-06, eighty-ninth
-  session) it was never more than ~1% slower, and at M >= 2048 2-10% faster on k_shards of 12-16
-  blocks (D = 8's o_proj), 1-3.5% on 32-56; the pipeline's depth is not given up for it (2
-  steps with it were 0-21% slower than 3 without)."""
+  session), at M >= 2048 it was 2-10% faster on k_shards of 12-16 blocks (D = 8's o_proj) and
+  1-3.5% on 32-56, never more than ~1% slower; at M = 512 (a tile or two per CTA) within the
+  calls' noise (one rank alone: 2.4% faster in one call, 4.8% slower in another). The
+  pipeline's depth is not given up for it (2 steps with it were 0-21% slower than 3 without)."""
   return dataclasses.replace(cfg, prefetch_tiles=cfg.prefetch_runs(k_shard))
 
 

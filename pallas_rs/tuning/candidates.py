@@ -5,7 +5,8 @@
 `comm_variants` are one config's ways of moving the partials (direct push, comm CTAs pulling
 or pushing); `tile_variants` its CTA tile shapes (small M: how many SMs one wave fills, and
 how many waves the transfer can overlap); `order_variants` its tile orders (large M: what a
-wave reads); `prefetch_variants` it with and without Config.prefetch_tiles;
+wave reads); `prefetch_variants` it with Config.prefetch_tiles switched (and at a depth one
+step either way);
 `ag_tile_variants` the same for the backward's
 all-gather matmul (jax's kernel: `pallas_rs.kernel.ag_matmul`); `adapt_config` carries a
 config measured at one D to another (the loopback entries).
