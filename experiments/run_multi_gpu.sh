@@ -134,14 +134,16 @@ llama70b_o_proj_m512,llama70b_o_proj_m32768,mixtral8x22b_w2_m2048,llama70b_down_
   smallm|smallm_proxy8)
     # Issue 19: the kernel without communication or owner sum ("neither") against XLA's dot,
     # for the table's config, then with the owner's TMA add (tadd, D = 2) on the table's tiles
-    # and the M split's 128 x 256 and 128 x 192, at M = 512 and 2048.
+    # and the M split's 128 x 256 and 128 x 192, and the 128 x 256 at 4 steps with
+    # prefetch_tiles (4 divides every seed and proxy8 k_shard's blocks), at M = 512 and 2048.
     suffix=""; [ "$1" = smallm_proxy8 ] && suffix=_proxy8
     names=""
     for p in llama70b_o_proj llama70b_down_proj mixtral8x22b_o_proj mixtral8x22b_w2; do
       for m in 512 2048; do names="$names${names:+,}${p}_m${m}${suffix}"; done
     done
     timeout 540 python3 experiments/ablate.py --names="$names" --iterations=50 \
-      --configs=table,tadd,tadd_t64x256_wm,tadd_t64x192_wm --ablations=fused,neither \
+      --configs=table,tadd,tadd_t64x256_wm,tadd_t64x192_wm,tadd_t64x256_wm_s4_pf \
+      --ablations=fused,neither \
       --out="$out/ablate_$1.json" 2>&1 | quiet | tail -75 ;;
   alone)
     # Issue 19 on one GPU: one rank's program of a D-device call alone on all SMs
