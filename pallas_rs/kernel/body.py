@@ -119,11 +119,9 @@ def _quiesce_prefetch(k: Rank, pipeline_allocs, wg_idx, count) -> None:
   """With Config.prefetch_tiles, what jax's last pipeline (state STOP) does, which no tile can
   be told in advance (a CTA's first tile may be its last): the memory warpgroup waits until
   the compute warpgroups have released the last tile's slots, one per pipeline slot."""
-  slots = min(k.config.max_concurrent_steps, k.x.shape[1] // k.config.tile_k)
-
   @pl.when((wg_idx == _NUM_COMPUTE_WGS) & (count > 0))
   def _():
-    for slot in range(slots):
+    for slot in range(k.config.pipeline_slots(k.x.shape[1])):
       for barrier in pipeline_allocs["flat_consumed_barrier_refs"]:
         plgpu.barrier_wait(barrier.at[slot])
 

@@ -241,11 +241,16 @@ class Config:
     96-column warpgroup tile (a 128 x 192 CTA tile split along N) lowers only with 64 B."""
     return 64 if self.tile_n % 64 == 0 else 32
 
+  def pipeline_slots(self, k_shard: int) -> int:
+    """The depth jax's pipeline runs over k_shard: max_concurrent_steps, cut to the k_shard's
+    blocks of tile_k where there are fewer (its slots, allocated and waited on)."""
+    return min(self.max_concurrent_steps, k_shard // self.tile_k)
+
   def prefetch_runs(self, k_shard: int) -> bool:
     """Whether prefetch_tiles can run over k_shard: its blocks of tile_k a multiple of the
     pipeline depth (jax's pipeline of pipelines keeps its slots in step from tile to tile)."""
     blocks = k_shard // self.tile_k
-    return blocks > 0 and blocks % min(self.max_concurrent_steps, blocks) == 0
+    return blocks > 0 and blocks % self.pipeline_slots(k_shard) == 0
 
   @property
   def partial_itemsize(self) -> int:
