@@ -15,7 +15,8 @@ benchmarks' (`pallas_rs.reference.dot`: the output dtype asked of XLA); --xla ad
 the same arithmetic (fp32 accumulation, one rounding): "f32_astype", an fp32 product then a cast
 (the benchmarks' form until 2026-12-06: XLA runs it as a Triton GEMM with the cast fused or
 as cuBLAS writing fp32 then a convert kernel), "plain",
-`jnp.dot(x, w)`. Each function's kernels (CUPTI names) go into the JSON. JSON after every case
+`jnp.dot(x, w)`. --ablations times each of ours also without stages (timing only: "store", the
+mainloop alone). Each function's kernels (CUPTI names) go into the JSON. JSON after every case
 under --out; a table last (time / XLA's dot).
 """
 from __future__ import annotations
@@ -52,6 +53,10 @@ XLA_FORMS = {"f32_astype": lambda a, b: jnp_dot(
                  a, b, preferred_element_type="float32").astype(a.dtype),
              "plain": lambda a, b: jnp_dot(a, b)}
 _XLA = flags.DEFINE_list("xla", [], f"Other forms of XLA's dot, of {sorted(XLA_FORMS)}.")
+_ABLATIONS = flags.DEFINE_list(
+    "ablations", [], "Stage sets (rank.ABLATIONS joined by '+', e.g. store: the mainloop alone) "
+    "each --ours variant is also timed without, as 'ours:<variant>:no<set>'; timing only (the "
+    "output is wrong): not checked, never the best.")
 _STEPS = flags.DEFINE_integer("steps", 4, "jax configs: pipeline steps (fit to SMEM down).")
 _ITERS = flags.DEFINE_integer("iterations", 50, "Timed iterations per variant.")
 _TIMING = flag_checks.TimingFlags(__name__, "a shape's variants")
@@ -88,6 +93,9 @@ def check_flags() -> None:
   _TIMING.check()
   flag_checks.variant_names("ours", _OURS.value)
   flag_checks.subset("xla", _XLA.value, sorted(XLA_FORMS))
+  from pallas_rs.kernel import rank  # pylint: disable=g-import-not-at-top
+  flag_checks.subset("ablations", [part for a in _ABLATIONS.value for part in a.split("+")],
+                     sorted(rank.ABLATIONS))
 
 
 def main(argv):
@@ -138,6 +146,9 @@ def main(argv):
             continue
           row["configs"][f"ours:{token}"] = repr(cfg)
           fns[f"ours:{token}"] = jax.jit(functools.partial(fused.local_matmul, config=cfg))
+          for stages in _ABLATIONS.value:
+            fns[f"ours:{token}:no{stages}"] = jax.jit(functools.partial(
+                fused.local_matmul, config=cfg, ablate=tuple(stages.split("+"))))
         for token in _JAX.value:
           for steps in range(_STEPS.value, 1, -1):  # The deepest pipeline that fits SMEM.
             fn = jax.jit(jax_matmul(hm, jax_config(hm, token, steps)))
@@ -165,15 +176,17 @@ def main(argv):
                                                num_devices=1, on_error=fail,
                                                **_TIMING.kwargs(_ITERS.value))
         for label, t in timings.items():
+          row["times_us"][label] = t.times_us
+          row["kernels"][label] = t.kernels
+          row.setdefault("timer", t.timer)
+          if _ablated(label):
+            continue  # Its output is wrong by design.
           try:
             row["max_rel_error"][label] = reference.max_rel_error(
                 jax.device_get(compiled[label][0](x, w)), jax.device_get(ref))
           except Exception as e:  # pylint: disable=broad-except
             fail(label, e)
-            continue
-          row["times_us"][label] = t.times_us
-          row["kernels"][label] = t.kernels
-          row.setdefault("timer", t.timer)
+            del row["times_us"][label], row["kernels"][label]
         rows.append(row)
         med = {k: statistics.median(v) for k, v in row["times_us"].items()}
         print(row["name"], f"D={d}", {k: round(v, 1) for k, v in med.items()}, flush=True)
@@ -183,13 +196,18 @@ def main(argv):
   print(table(rows))
 
 
+def _ablated(label: str) -> bool:
+  return label.startswith("ours:") and ":no" in label
+
+
 def table(rows) -> str:
   """Per row: XLA's median, the fastest config of ours and of jax's among those whose output
   kept the rule (error <= 1.1x XLA's + 1e-6; a NaN error or a missing XLA error does not), and
   how many were dropped from that pick: "bad err" (checked, over the rule), "failed" (did not
-  build or run); last, each --xla form's time / XLA's (the forms that kept the rule)."""
+  build or run); last, each --xla form's time / XLA's (the forms that kept the rule) and each
+  ablated variant's (--ablations)."""
   lines = [f"{'shape':26} {'D':>2} {'xla us':>7} {'best ours':>18} {'/xla':>6} "
-           f"{'best jax':>16} {'/xla':>6} {'bad err':>7} {'failed':>6} xla forms /xla"]
+           f"{'best jax':>16} {'/xla':>6} {'bad err':>7} {'failed':>6} xla forms, ablated /xla"]
   for r in rows:
     med = {k: statistics.median(v) for k, v in r["times_us"].items()}
     xla = med.get("xla_dot", float("nan"))
@@ -197,11 +215,13 @@ def table(rows) -> str:
     bad = [k for k, e in r["max_rel_error"].items() if k != "xla_dot" and not (
         xla_err is not None and bench_env.rule_holds(e, xla_err, slack=1e-6))]
     failed = [k for k, c in r["configs"].items() if str(c).startswith("failed")]
-    pick = lambda p: min(((v, k) for k, v in med.items() if k.startswith(p) and k not in bad),
+    pick = lambda p: min(((v, k) for k, v in med.items()
+                          if k.startswith(p) and k not in bad and not _ablated(k)),
                          default=(float("nan"), "-"))
     (to, ko), (tj, kj) = pick("ours:"), pick("jax:")
-    forms = " ".join(f"{k[8:]}={v / xla:.3f}" for k, v in med.items()
-                     if k.startswith("xla_dot:") and k not in bad)
+    forms = " ".join([f"{k[8:]}={v / xla:.3f}" for k, v in med.items()
+                      if k.startswith("xla_dot:") and k not in bad] +
+                     [f"{k[5:]}={v / xla:.3f}" for k, v in med.items() if _ablated(k)])
     lines.append(f"{r['name']:26} {r['d']:>2} {xla:7.1f} {ko[5:]:>12} {to:5.1f} "
                  f"{to / xla:6.3f} {kj[4:]:>12} {tj:5.1f} {tj / xla:6.3f} {len(bad):>7} "
                  f"{len(failed):>6} {forms}".rstrip())

@@ -74,3 +74,33 @@ def test_gemm_core_best_is_never_a_config_that_failed_its_check(tmp_path):
              and "D=" not in ln]
   assert "t64x256_wm" not in line, line
   assert line.split()[-2:] == ["1", "0"], line  # bad err, failed
+
+
+ABLATING_STAND_IN = """
+import jax.numpy as jnp
+def local_stand_in(x, w, *, config=None, ablate=()):
+  if ablate:  # the mainloop alone: the output is never written (zeros here)
+    return jnp.zeros((x.shape[0], w.shape[1]), x.dtype)
+  return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+fused.local_matmul = local_stand_in
+"""
+
+
+@pytest.mark.slow  # ~6 s on 2 CPU cores: the slow layer (tests/conftest.py).
+def test_gemm_core_ablated_variants_are_timed_not_judged(tmp_path):
+  proc, row = _run(tmp_path, "64x192_M_-", ABLATING_STAND_IN, ["--ablations=store,store+gemm"])
+  ablated = {"ours:table:nostore", "ours:table:nostore+gemm", "ours:t64x256_wm:nostore"}
+  assert ablated <= set(row["times_us"]), sorted(row["times_us"])
+  assert not ablated & set(row["max_rel_error"])  # wrong by design: not checked
+  assert max(row["max_rel_error"].values()) < 2.0**-7  # (so nothing counts as a bad error)
+  (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("mixtral8x22b_o_proj_m512 ")
+             and "D=" not in ln]
+  assert ":no" not in line.split()[3], line  # never the best of ours
+  assert "table:nostore=" in line, line
+
+
+def test_gemm_core_rejects_an_unknown_ablation(tmp_path):
+  proc = helpers.run_script_with_stand_ins(
+      "gemm_core.py", ["--ablations=mainloop", f"--out={tmp_path / 'g.json'}"],
+      stand_ins=STAND_INS, after_load=AFTER_LOAD)
+  assert proc.returncode != 0 and "mainloop" in proc.stderr, proc.stderr[-2000:]

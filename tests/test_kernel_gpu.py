@@ -521,6 +521,21 @@ def test_prefetch_tiles_change_no_bit(d, m, comm):
              d, m, n, k_shard, seed=15000 + 10 * d)
 
 
+# Config.mma_in_flight changes when the next wgmma is issued and a slot is released, not the
+# sum (each block still added in order into one accumulator): every bit as without it.
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_mma_in_flight_changes_no_bit(prefetch):
+  xs, ws = testing.stacked_inputs(15200 + prefetch, 1, 2048, 768, 1536)
+  ref = testing.stacked_reference(xs, ws)[0]
+  base = jnp.dot(xs[0], ws[0], preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+  outs = [np.asarray(fused.local_matmul(xs[0], ws[0], config=config_lib.Config(
+      tile_m=128, tile_n=128, max_concurrent_steps=steps, prefetch_tiles=prefetch,
+      mma_in_flight=flag))) for steps in (3, 4) for flag in (False, True)]
+  assert reference.max_rel_error(outs[0], ref) <= 1.1 * reference.max_rel_error(base, ref)
+  for got in outs[1:]:
+    helpers.assert_same_bits(outs[0], got)
+
+
 def test_prefetch_tiles_at_d1_change_no_bit():
   x, w = testing.generate(15100, 2048, 768, 1536)
   outs = [np.asarray(fused.local_matmul(x, w, config=config_lib.Config(

@@ -657,6 +657,21 @@ def test_interleaved_walk_reaches_the_kernel(monkeypatch):
     assert (on != off) == differ, d
 
 
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_mma_in_flight_lowers(prefetch):
+  # Config.mma_in_flight (consumed barriers arrived by hand a step late) at D = 1, with and
+  # without the pipeline of pipelines, and the "store" ablation (the mainloop alone).
+  cfg = config_lib.Config(tile_m=128, tile_n=128, max_concurrent_steps=3,
+                          prefetch_tiles=prefetch, mma_in_flight=True)
+  x = jax.ShapeDtypeStruct((2048, 768), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((768, 1024), jnp.bfloat16)
+  for ablate in ((), ("store",)):
+    text = jax.export.export(jax.jit(functools.partial(fused.local_matmul, config=cfg,
+                                                       ablate=ablate)),
+                             platforms=["cuda"])(x, w).mlir_module()
+    assert "mosaic_gpu" in text
+
+
 @pytest.mark.parametrize("d", [1, 8])
 def test_prefetch_tiles_lowers(d):
   # jax's pipeline of pipelines across a CTA's tiles (Config.prefetch_tiles), 12 blocks deep 3

@@ -112,7 +112,15 @@ def _pipeline(k: Rank, pipeline_body, compute_context, state=None):
       max_concurrent_steps=c.max_concurrent_steps,
       compute_context=compute_context,
       pipeline_state=state,
+      manual_consumed_barriers=c.mma_in_flight,  # Released a step late: _release_slot.
   )
+
+
+def _release_slot(pipeline_allocs, step, slots: int) -> None:
+  """Config.mma_in_flight: this warpgroup is done with the x and w blocks of k step `step`
+  (its wgmma has finished), so the memory warpgroup may refill their slot."""
+  for barrier in pipeline_allocs["flat_consumed_barrier_refs"]:
+    plgpu.barrier_arrive(barrier.at[lax.rem(step, slots)])
 
 
 def _quiesce_prefetch(k: Rank, pipeline_allocs, wg_idx, count) -> None:
@@ -155,6 +163,8 @@ def _compute_program(k: Rank, scoped: dict, cta_index, num_compute):
   epilogue (epilogue.py); after the loop the last deferred announcement and, with "owner",
   the exit handshake."""
   d, c = k.d, k.config
+  blocks = k.x.shape[1] // c.tile_k
+  slots = c.pipeline_slots(k.x.shape[1])
 
   @functools.partial(pl.run_scoped, collective_axes="wg", **scoped)
   def _scope(pipeline_allocs, out_smem, part_smem=None, part_barrier=None, send_smem=None):
@@ -177,6 +187,9 @@ def _compute_program(k: Rank, scoped: dict, cta_index, num_compute):
         def _acc_scope(acc_ref):
           with jax.named_scope("mainloop"):
             eval_pipeline(acc_ref)
+          if c.mma_in_flight and k.hooks.gemm:  # The last block's wgmma, its slot.
+            plgpu.wgmma_wait(0)
+            _release_slot(pipeline_allocs, blocks - 1, slots)
           # The previous tile's stores had this tile's whole mainloop to land.
           plgpu.wait_smem_to_gmem(0, wait_read_only=False)
           epi.announce_deferred(lin_idx - num_compute, lambda: local_step > 0)
@@ -207,9 +220,15 @@ def _compute_program(k: Rank, scoped: dict, cta_index, num_compute):
               plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             phase(rows, offset)
 
-      def mma_body(_, x_smem, w_smem, acc_ref):
+      def mma_body(indices, x_smem, w_smem, *rest):
+        *_, acc_ref = rest  # (with mma_in_flight, the current slot's barriers first: unused)
         plgpu.wgmma(acc_ref, x_smem.at[wg_x], w_smem.at[:, wg_w])
-        plgpu.wgmma_wait(0)
+        if not c.mma_in_flight:
+          plgpu.wgmma_wait(0)
+          return acc_ref
+        plgpu.wgmma_wait(1)  # The previous block's wgmma is done: its slot goes back.
+        (step,) = indices
+        pl.when(step > 0)(lambda: _release_slot(pipeline_allocs, step - 1, slots))
         return acc_ref
 
       if not k.hooks.gemm:

@@ -100,6 +100,9 @@ class Config:
       instead of starting them after the tile's last block is consumed: a bubble per tile
       that short k_shards (D = 8: 12-16 blocks) feel most. Needs the k_shard's blocks a
       multiple of the pipeline depth (check_shape).
+    mma_in_flight: each k block's wgmma is issued while the previous one still runs (waited
+      down to one in flight, its SMEM slot released a step late) instead of waiting for every
+      wgmma before the next: CUTLASS's mainloop; jax's waits for each.
   """
   tile_m: int = 128
   tile_n: int = 128
@@ -121,6 +124,7 @@ class Config:
   tma_add: bool = False
   interleave_steps: bool = False
   prefetch_tiles: bool = False
+  mma_in_flight: bool = False
 
   def __post_init__(self):
     tile_m, tile_n, tile_k = self.tile_m, self.tile_n, self.tile_k

@@ -60,6 +60,8 @@ class Epilogue:
     run time among static ones): the sub-tile is written to SMEM once and only its TMA
     store is emitted per peer (written per peer, the register-to-SMEM code was in the module
     D - 1 times: 20-32% of the D = 8 module's lowering time, docs/design.md section 4)."""
+    if not self.k.hooks.store:
+      return  # (wgmma has side effects: the mainloop stays; the tile is dropped.)
     mi, ni = self.k.epi_tiles[i]
     slots = self.k.config.num_out_slots
     slot = i % slots

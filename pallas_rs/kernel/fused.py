@@ -293,14 +293,15 @@ def fused_matmul_reduce_scatter(x, w, *, axis_name, num_devices: int,
   return f(x, w)[0]
 
 
-def local_matmul(x, w, *, config: Config | None = None) -> jax.Array:
-  """The kernel at D = 1 on one GPU, outside shard_map: x [m, k] @ w [k, n] -> [m, n]."""
+def local_matmul(x, w, *, config: Config | None = None, ablate=()) -> jax.Array:
+  """The kernel at D = 1 on one GPU, outside shard_map: x [m, k] @ w [k, n] -> [m, n].
+  `ablate` (rank.ABLATIONS; at D = 1 "gemm" and "store" matter): timing only."""
   m, k = x.shape
   n = w.shape[1]
   config = _checked(config, m=m, k_shard=k, n=n, dtype=x.dtype, num_devices=1)
   f = _build(transport_lib.NVLinkTransport("_unused", 1),
              out_type=(jax.ShapeDtypeStruct((m, n), x.dtype),), config=config, num_devices=1,
-             name="pallas_rs_local_matmul")
+             name="pallas_rs_local_matmul", skip=_skip(ablate))
   return f(x, w)[0]
 
 

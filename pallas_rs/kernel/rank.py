@@ -16,7 +16,7 @@ from pallas_rs.kernel.config import MatmulDimension
 
 # Stages a timing run may leave out (kernel_body's `skip`; Hooks says what each does).
 ABLATIONS = frozenset({"comm", "reduce", "gemm", "stage_wait", "recv_store", "owner_wait",
-                       "comm_signal", "owner_add"})
+                       "comm_signal", "owner_add", "store"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +28,9 @@ class Hooks:
   zeros: the data movement alone); stage_wait: the comm CTAs' wait for a staged tile;
   recv_store: a pulling comm CTA's store of what it pulled; owner_wait: the owner's wait for
   its partials; owner_add: the owner's register reads and adds of the partials it loaded;
-  comm_signal (only without owner_wait): the comm CTAs' landed signals."""
+  comm_signal (only without owner_wait): the comm CTAs' landed signals; store: the epilogues'
+  SMEM writes and TMA stores of finished tiles (output, partials, staging: each tile is computed
+  and dropped, so the mainloop shows alone)."""
   comm: bool = True
   reduce: bool = True
   gemm: bool = True
@@ -37,6 +39,7 @@ class Hooks:
   owner_wait: bool = True
   comm_signal: bool = True
   owner_add: bool = True
+  store: bool = True
 
   @classmethod
   def skipping(cls, skip: frozenset[str]) -> "Hooks":
