@@ -16,7 +16,7 @@ the same arithmetic (fp32 accumulation, one rounding): "f32_astype", an fp32 pro
 (the benchmarks' form until 2026-12-06: XLA runs it as a Triton GEMM with the cast fused or
 as cuBLAS writing fp32 then a convert kernel), "plain",
 `jnp.dot(x, w)`. --ablations times each of ours also without stages (timing only: "store", the
-mainloop alone). Each function's kernels (CUPTI names) go into the JSON. JSON after every case
+mainloop and the sub-tiles' SMEM writes; "gemm", the epilogue alone). Each function's kernels (CUPTI names) go into the JSON. JSON after every case
 under --out; a table last (time / XLA's dot).
 """
 from __future__ import annotations
@@ -54,7 +54,7 @@ XLA_FORMS = {"f32_astype": lambda a, b: jnp_dot(
              "plain": lambda a, b: jnp_dot(a, b)}
 _XLA = flags.DEFINE_list("xla", [], f"Other forms of XLA's dot, of {sorted(XLA_FORMS)}.")
 _ABLATIONS = flags.DEFINE_list(
-    "ablations", [], "Stage sets (rank.ABLATIONS joined by '+', e.g. store: the mainloop alone) "
+    "ablations", [], "Stage sets (rank.ABLATIONS joined by '+', e.g. store: no TMA stores) "
     "each --ours variant is also timed without, as 'ours:<variant>:no<set>'; timing only (the "
     "output is wrong): not checked, never the best.")
 _STEPS = flags.DEFINE_integer("steps", 4, "jax configs: pipeline steps (fit to SMEM down).")

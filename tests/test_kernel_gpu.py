@@ -521,19 +521,22 @@ def test_prefetch_tiles_change_no_bit(d, m, comm):
              d, m, n, k_shard, seed=15000 + 10 * d)
 
 
-# Config.mma_in_flight changes when the next wgmma is issued and a slot is released, not the
-# sum (each block still added in order into one accumulator): every bit as without it.
+# Config.mma_in_flight changes when the next wgmma is issued and a slot is released, and
+# Config.direct_store how the output leaves (st.global, not SMEM and TMA), not the sum (each
+# block still added in order into one accumulator, rounded once): every bit as without them.
 @pytest.mark.parametrize("prefetch", [False, True])
-def test_mma_in_flight_changes_no_bit(prefetch):
+@pytest.mark.parametrize("field", ["mma_in_flight", "direct_store"])
+def test_mainloop_and_store_variants_change_no_bit(field, prefetch):
   xs, ws = testing.stacked_inputs(15200 + prefetch, 1, 2048, 768, 1536)
   ref = testing.stacked_reference(xs, ws)[0]
   base = jnp.dot(xs[0], ws[0], preferred_element_type=jnp.float32).astype(jnp.bfloat16)
-  outs = [np.asarray(fused.local_matmul(xs[0], ws[0], config=config_lib.Config(
-      tile_m=128, tile_n=128, max_concurrent_steps=steps, prefetch_tiles=prefetch,
-      mma_in_flight=flag))) for steps in (3, 4) for flag in (False, True)]
-  assert reference.max_rel_error(outs[0], ref) <= 1.1 * reference.max_rel_error(base, ref)
-  for got in outs[1:]:
-    helpers.assert_same_bits(outs[0], got)
+  for tile_m, tile_n, wg, steps in ((128, 128, config_lib.MatmulDimension.N, 3),
+                                    (64, 256, config_lib.MatmulDimension.M, 4)):
+    off, on = (np.asarray(fused.local_matmul(xs[0], ws[0], config=config_lib.Config(
+        tile_m=tile_m, tile_n=tile_n, wg_dimension=wg, max_concurrent_steps=steps,
+        prefetch_tiles=prefetch, **{field: flag}))) for flag in (False, True))
+    assert reference.max_rel_error(off, ref) <= 1.1 * reference.max_rel_error(base, ref)
+    helpers.assert_same_bits(off, on)
 
 
 def test_prefetch_tiles_at_d1_change_no_bit():

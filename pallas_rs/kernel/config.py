@@ -103,6 +103,9 @@ class Config:
     mma_in_flight: each k block's wgmma is issued while the previous one still runs (waited
       down to one in flight, its SMEM slot released a step late) instead of waiting for every
       wgmma before the next: CUTLASS's mainloop; jax's waits for each.
+    direct_store: the output's sub-tiles go from registers straight to global memory
+      (st.global) instead of through SMEM and a TMA store: an SM's TMA unit is then free for
+      the next tile's loads while the tile drains. Own (D = 1: every) tile without a TMA add.
   """
   tile_m: int = 128
   tile_n: int = 128
@@ -125,6 +128,7 @@ class Config:
   interleave_steps: bool = False
   prefetch_tiles: bool = False
   mma_in_flight: bool = False
+  direct_store: bool = False
 
   def __post_init__(self):
     tile_m, tile_n, tile_k = self.tile_m, self.tile_n, self.tile_k

@@ -60,13 +60,18 @@ class Epilogue:
     run time among static ones): the sub-tile is written to SMEM once and only its TMA
     store is emitted per peer (written per peer, the register-to-SMEM code was in the module
     D - 1 times: 20-32% of the D = 8 module's lowering time, docs/design.md section 4)."""
-    if not self.k.hooks.store:
-      return  # (wgmma has side effects: the mainloop stays; the tile is dropped.)
     mi, ni = self.k.epi_tiles[i]
+    if self.k.config.direct_store and smem is self.out_smem and not add:
+      if self.k.hooks.store:  # Not through SMEM or the TMA unit (Config.direct_store).
+        dst_ref.at[self.k.epi_slices(mi, ni)][...] = sub
+      return
     slots = self.k.config.num_out_slots
     slot = i % slots
-    plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
+    if self.k.hooks.store:
+      plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
     smem[self.wg, slot] = sub
+    if not self.k.hooks.store:
+      return  # Written to SMEM, which keeps the tile's wgmmas (unread, Pallas drops them).
     plgpu.commit_smem()
     targets = dst_ref if isinstance(dst_ref, list) else [(None, lambda: dst_ref)]
     for when, ref in targets:

@@ -29,8 +29,9 @@ class Hooks:
   recv_store: a pulling comm CTA's store of what it pulled; owner_wait: the owner's wait for
   its partials; owner_add: the owner's register reads and adds of the partials it loaded;
   comm_signal (only without owner_wait): the comm CTAs' landed signals; store: the epilogues'
-  SMEM writes and TMA stores of finished tiles (output, partials, staging: each tile is computed
-  and dropped, so the mainloop shows alone)."""
+  TMA stores of finished tiles (output, partials, staging) and their waits for SMEM slots:
+  each sub-tile is written to SMEM and dropped there (without that write Pallas drops the
+  tile's wgmmas: an H100 ran 1.17 PFLOP/s)."""
   comm: bool = True
   reduce: bool = True
   gemm: bool = True
