@@ -39,9 +39,12 @@ M = config_lib.MatmulDimension
                        prefetch_tiles=True, mma_in_flight=True), 256, 256, 256),
     pytest.param(config_lib.Config(tile_m=64, tile_n=64, max_concurrent_steps=3, num_sms=3,
                                    mma_in_flight=True), 256, 256, 256, marks=pytest.mark.slow),
-    # direct_store: the output from registers to global memory, no SMEM slot or TMA store.
+    # spread_stores: a tile's 2 sub-tiles leave during the CTA's next tile (4 blocks), the
+    # last tile's after the loop (8 tiles on 3 CTAs); 4 sub-tiles over 2 blocks.
     (config_lib.Config(tile_m=64, tile_n=128, max_concurrent_steps=2, num_sms=3,
-                       prefetch_tiles=True, direct_store=True), 256, 256, 512),
+                       prefetch_tiles=True, spread_stores=True), 256, 256, 512),
+    pytest.param(config_lib.Config(tile_m=128, tile_n=128, max_concurrent_steps=2, num_sms=3,
+                                   spread_stores=True), 512, 128, 512, marks=pytest.mark.slow),
 ])
 def test_local_matmul_interpret(cfg, m, k, n):
   x, w = testing.generate(m + n, m, k, n)

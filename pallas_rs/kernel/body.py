@@ -123,6 +123,12 @@ def _release_slot(pipeline_allocs, step, slots: int) -> None:
     plgpu.barrier_arrive(barrier.at[lax.rem(step, slots)])
 
 
+def _spread_steps(sub_tiles: int, blocks: int) -> list[int]:
+  """Config.spread_stores: the k step of the next tile at which each sub-tile's store leaves,
+  evenly over its blocks."""
+  return [(i * blocks) // sub_tiles for i in range(sub_tiles)]
+
+
 def _quiesce_prefetch(k: Rank, pipeline_allocs, wg_idx, count) -> None:
   """With Config.prefetch_tiles, what jax's last pipeline (state STOP) does, which no tile can
   be told in advance (a CTA's first tile may be its last): the memory warpgroup waits until
@@ -223,6 +229,11 @@ def _compute_program(k: Rank, scoped: dict, cta_index, num_compute):
       def mma_body(indices, x_smem, w_smem, *rest):
         *_, acc_ref = rest  # (with mma_in_flight, the current slot's barriers first: unused)
         plgpu.wgmma(acc_ref, x_smem.at[wg_x], w_smem.at[:, wg_w])
+        if k.spread:  # The previous tile's sub-tiles leave over this tile's blocks.
+          (step,) = indices
+          prev = k.out.at[k.tile_slices(k.walk(lin_idx - num_compute)[1], wg_idx)[1]]
+          for i, at in enumerate(_spread_steps(c.sub_tiles, blocks)):
+            pl.when((step == at) & (local_step > 0))(functools.partial(epi.spread_store, i, prev))
         if not c.mma_in_flight:
           plgpu.wgmma_wait(0)
           return acc_ref
@@ -250,6 +261,12 @@ def _compute_program(k: Rank, scoped: dict, cta_index, num_compute):
     count = _strided_loop(cta_index, num_compute, k.steps * k.tiles, tile_body)
     if c.prefetch_tiles and k.hooks.gemm:
       _quiesce_prefetch(k, pipeline_allocs, wg_idx, count)
+    if k.spread:  # The last tile's stores: no next tile to spread them over.
+      @pl.when((wg_idx < _NUM_COMPUTE_WGS) & (count > 0))
+      def _():
+        _, last = k.walk(cta_index + (count - 1) * num_compute)
+        for i in range(c.sub_tiles):
+          epi.spread_store(i, k.out.at[k.tile_slices(last, wg_idx)[1]])
     # Announce this CTA's last tile if it went to a peer with a deferred signal.
     plgpu.wait_smem_to_gmem(0, wait_read_only=False)
     epi.announce_deferred(cta_index + (count - 1) * num_compute,

@@ -103,9 +103,10 @@ class Config:
     mma_in_flight: each k block's wgmma is issued while the previous one still runs (waited
       down to one in flight, its SMEM slot released a step late) instead of waiting for every
       wgmma before the next: CUTLASS's mainloop; jax's waits for each.
-    direct_store: the output's sub-tiles go from registers straight to global memory
-      (st.global) instead of through SMEM and a TMA store: an SM's TMA unit is then free for
-      the next tile's loads while the tile drains. Own (D = 1: every) tile without a TMA add.
+    spread_stores: a finished tile waits in SMEM (a slot per epilogue sub-tile) and its TMA
+      stores leave one sub-tile at a time over the k blocks of the CTA's next tile (the last
+      tile's after the loop), instead of all at once in the epilogue: the SM's TMA unit then
+      never has a whole tile to write ahead of the next tile's loads. D = 1 (check_shape).
   """
   tile_m: int = 128
   tile_n: int = 128
@@ -128,7 +129,7 @@ class Config:
   interleave_steps: bool = False
   prefetch_tiles: bool = False
   mma_in_flight: bool = False
-  direct_store: bool = False
+  spread_stores: bool = False
 
   def __post_init__(self):
     tile_m, tile_n, tile_k = self.tile_m, self.tile_n, self.tile_k
@@ -200,9 +201,15 @@ class Config:
                                     self.chunk_group(m, num_devices))
 
   @property
+  def sub_tiles(self) -> int:
+    """Epilogue sub-tiles of a warpgroup tile."""
+    return (self.tile_m * self.tile_n) // (self.epi_tile_m * self.epi_tile_n)
+
+  @property
   def num_out_slots(self) -> int:
-    sub_tiles = (self.tile_m * self.tile_n) // (self.epi_tile_m * self.epi_tile_n)
-    return min(self.out_slots or 2, sub_tiles)
+    if self.spread_stores:
+      return self.sub_tiles
+    return min(self.out_slots or 2, self.sub_tiles)
 
   @property
   def numerics(self) -> str:
@@ -343,6 +350,9 @@ class Config:
       raise NotImplementedError(  # jax's pipeline of pipelines keeps its slots in step.
           f"prefetch_tiles needs the {blocks} k blocks of {k_shard=} (tile_k={self.tile_k}) a "
           f"multiple of max_concurrent_steps={self.max_concurrent_steps}")
+    if self.spread_stores and num_devices > 1:
+      raise NotImplementedError(
+          f"spread_stores runs at D = 1 (its tiles all own, none sent), got {num_devices=}")
     if self.tile_n % 32:
       raise NotImplementedError(
           f"tile_n={self.tile_n} must be a multiple of 32: the x and w blocks take the 128 B "

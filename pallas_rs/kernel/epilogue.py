@@ -61,9 +61,9 @@ class Epilogue:
     store is emitted per peer (written per peer, the register-to-SMEM code was in the module
     D - 1 times: 20-32% of the D = 8 module's lowering time, docs/design.md section 4)."""
     mi, ni = self.k.epi_tiles[i]
-    if self.k.config.direct_store and smem is self.out_smem and not add:
-      if self.k.hooks.store:  # Not through SMEM or the TMA unit (Config.direct_store).
-        dst_ref.at[self.k.epi_slices(mi, ni)][...] = sub
+    if self.k.spread and smem is self.out_smem and not add:
+      smem[self.wg, i] = sub  # Its store leaves during the next tile (`spread_store`).
+      plgpu.commit_smem()
       return
     slots = self.k.config.num_out_slots
     slot = i % slots
@@ -82,6 +82,12 @@ class Epilogue:
         copy()
       else:
         pl.when(when)(copy)
+
+  def spread_store(self, i, dst_ref):
+    """Config.spread_stores: the TMA store of sub-tile i, waiting in its SMEM slot since the
+    epilogue of its tile (whose [tile_m, tile_n] place is `dst_ref`)."""
+    mi, ni = self.k.epi_tiles[i]
+    plgpu.copy_smem_to_gmem(self.out_smem.at[self.wg, i], dst_ref.at[self.k.epi_slices(mi, ni)])
 
   def store_tile(self, subs, smem, dst_ref, add=False):
     for i, sub in enumerate(subs):

@@ -181,6 +181,12 @@ class Rank:
     return schedule.first_eager_step(self.d, self.config.eager_signal_steps)
 
   @property
+  def spread(self) -> bool:
+    """Config.spread_stores where it runs: with the mainloop (over whose blocks the stores
+    leave) and the stores (hooks)."""
+    return self.config.spread_stores and self.hooks.gemm and self.hooks.store
+
+  @property
   def wg_m(self) -> bool:
     return self.config.wg_dimension == MatmulDimension.M
 
