@@ -228,6 +228,20 @@ def test_candidates_vary_one_field_each_first():
                                   max_configs=6) == cands
 
 
+def test_spread_stores_is_searched_at_d1_only():
+  # Config.spread_stores holds a whole warpgroup tile in SMEM: at D = 1 the search space has
+  # it where that fits beside the pipeline; at D > 1 the kernel refuses it.
+  d1 = [c for c in candidates.search_space(m=2048, n=6144, k_shard=768, num_devices=1)
+        if c.spread_stores]
+  assert d1 and all(c.fits_smem(1) and c.num_out_slots == c.sub_tiles for c in d1)
+  assert {(c.cta_tile_m, c.cta_tile_n, c.max_concurrent_steps) for c in d1} >= {
+      (128, 256, 3), (128, 192, 4)}
+  assert not any(c.spread_stores for c in candidates.search_space(
+      m=2048, n=6144, k_shard=768, num_devices=2))
+  with pytest.raises(NotImplementedError, match="spread_stores runs at D = 1"):
+    d1[0].check_shape(m=2048, n=6144, k_shard=768, num_devices=2)
+
+
 def test_adapt_config_for_loopback():
   cfg = config_lib.Config(tile_m=128, tile_n=128, max_concurrent_steps=4, recv_stages=1)
   out = candidates.adapt_config(cfg, m=512, n=N, k_shard=K_SHARD, num_devices=8)

@@ -37,9 +37,14 @@ def _swizzled(block_minor_elems: int, dtype) -> tuple:
   return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
+def _strided_count(start, stride, total):
+  """How many of start, start + stride, ... are < total."""
+  return jnp.maximum(total - start + stride - 1, 0) // stride
+
+
 def _strided_loop(start, stride, total, body):
   """body(index, local_step) for index = start, start + stride, ... < total."""
-  count = jnp.maximum(total - start + stride - 1, 0) // stride
+  count = _strided_count(start, stride, total)
   lax.fori_loop(0, count, lambda i, c: (body(start + i * stride, i), c)[1], None)
   return count
 
@@ -179,6 +184,8 @@ def _compute_program(k: Rank, scoped: dict, cta_index, num_compute):
                    part_smem, part_barrier)
 
     def tile_body(lin_idx, local_step):
+      # spread_stores: the CTA's last tile has no next one to spread its stores over.
+      epi_t = dataclasses.replace(epi, last=local_step == last_step) if k.spread else epi
       step, tile = k.walk(lin_idx)
       parts = k.parts(step, wg_idx)  # (rows, offset of their peer) of this warpgroup's tile
       first_dst = schedule.wg_dst(k.rank, step, 0, d, k.group)  # The tile's first chunk.
@@ -205,12 +212,12 @@ def _compute_program(k: Rank, scoped: dict, cta_index, num_compute):
 
           def own(rows, offset):
             pl.when(offset == 0)(jax.named_scope("own_epilogue")(
-                lambda: epi.own(part_acc(rows), tile, slices)))
+                lambda: epi_t.own(part_acc(rows), tile, slices)))
 
           def remote(rows, offset):
             if d > 1:
               pl.when(offset != 0)(jax.named_scope("remote_epilogue")(
-                  lambda: epi.remote(part_acc(rows), step, tile, offset, slices)))
+                  lambda: epi_t.remote(part_acc(rows), step, tile, offset, slices)))
 
           if not k.split_halves:
             ((rows, offset),) = parts
@@ -258,15 +265,10 @@ def _compute_program(k: Rank, scoped: dict, cta_index, num_compute):
             allocations=pipeline_allocs,
         )
 
+    last_step = _strided_count(cta_index, num_compute, k.steps * k.tiles) - 1
     count = _strided_loop(cta_index, num_compute, k.steps * k.tiles, tile_body)
     if c.prefetch_tiles and k.hooks.gemm:
       _quiesce_prefetch(k, pipeline_allocs, wg_idx, count)
-    if k.spread:  # The last tile's stores: no next tile to spread them over.
-      @pl.when((wg_idx < _NUM_COMPUTE_WGS) & (count > 0))
-      def _():
-        _, last = k.walk(cta_index + (count - 1) * num_compute)
-        for i in range(c.sub_tiles):
-          epi.spread_store(i, k.out.at[k.tile_slices(last, wg_idx)[1]])
     # Announce this CTA's last tile if it went to a peer with a deferred signal.
     plgpu.wait_smem_to_gmem(0, wait_read_only=False)
     epi.announce_deferred(cta_index + (count - 1) * num_compute,

@@ -52,6 +52,7 @@ class Epilogue:
   send_smem: Any
   part_smem: Any = None
   part_barrier: Any = None
+  last: Any = None  # spread_stores: whether this is the CTA's last tile (its stores leave now)
 
   def store_sub(self, i, sub, smem, dst_ref, add=False):
     """Epilogue sub-tile i (epi_tiles order) -> its place in dst_ref [tile_m, tile_n]
@@ -62,8 +63,9 @@ class Epilogue:
     D - 1 times: 20-32% of the D = 8 module's lowering time, docs/design.md section 4)."""
     mi, ni = self.k.epi_tiles[i]
     if self.k.spread and smem is self.out_smem and not add:
-      smem[self.wg, i] = sub  # Its store leaves during the next tile (`spread_store`).
+      smem[self.wg, i] = sub  # Its store leaves during the next tile (`spread_store`),
       plgpu.commit_smem()
+      pl.when(self.last)(lambda: self.spread_store(i, dst_ref))  # or now, if there is none.
       return
     slots = self.k.config.num_out_slots
     slot = i % slots

@@ -26,7 +26,8 @@ Config = config_lib.Config
 # Fields varied one at a time around the default, in this priority order; each
 # value list is ordered nearest-first.
 _VARIANT_FIELDS = ("comm_ctas", "out_slots", "tile_m", "tile_n", "wg_dimension", "grid_minor_dim",
-                   "grid_tile_width", "max_concurrent_steps", "recv_stages", "eager_signal_steps")
+                   "grid_tile_width", "max_concurrent_steps", "spread_stores", "recv_stages",
+                   "eager_signal_steps")
 # Fields that change nothing at D = 1 (no receive buffers, no signals).
 _MULTI_DEVICE_FIELDS = ("comm_ctas", "out_slots", "recv_stages", "eager_signal_steps")
 
@@ -70,7 +71,8 @@ def candidate_configs(*, m: int, n: int, k_shard: int, num_devices: int,
     values = sorted({int(getattr(c, f)) for c in space} | {int(getattr(default, f))},
                     key=lambda v, f=f: (v != int(getattr(default, f)),
                                         distance(dataclasses.replace(default, **{f: v}), f)
-                                        if f not in ("grid_minor_dim", "wg_dimension") else 0,
+                                        if f not in ("grid_minor_dim", "wg_dimension",
+                                                     *config_lib.BOOL_FIELDS) else 0,
                                         v))
     rank[f] = {v: i for i, v in enumerate(values)}
 
@@ -274,11 +276,13 @@ def search_space(*, m: int, n: int, k_shard: int, num_devices: int,
                                      epi_tile_n=config_lib.epi_tile_n_for(tn, partial_dtype)
                                      ).interleave_pays(m, num_devices)
                 for tm, tn, wg in _SEARCH_TILES}
-  for (tile_m, tile_n, wg), steps, recv_stages, minor, width, eager, comm, out_slots in (
+  for (tile_m, tile_n, wg), steps, recv_stages, minor, width, eager, comm, out_slots, spread in (
       itertools.product(_SEARCH_TILES, (2, 3, 4, 5), (1, 2, 4),
                         (_N, _M), (1, 4, 8), (0, 1),
-                        (0, 1, 2, 4, 8), (0, 8))):
+                        (0, 1, 2, 4, 8), (0, 8), (False, True))):
     if num_devices == 1 and (recv_stages != 1 or eager or comm or out_slots):
+      continue
+    if spread and num_devices > 1:  # (Config.spread_stores runs at D = 1.)
       continue
     if tma_add and recv_stages != 2:  # (they allocate nothing: the same kernel)
       continue
@@ -291,7 +295,8 @@ def search_space(*, m: int, n: int, k_shard: int, num_devices: int,
         recv_stages=recv_stages, grid_minor_dim=minor, grid_tile_width=width,
         num_sms=num_sms, eager_signal_steps=eager, comm_ctas=comm,
         out_slots=out_slots, partial_dtype=partial_dtype, owner_sum=owner_sum,
-        tma_add=tma_add, interleave_steps=interleave[tile_m, tile_n, wg]), k_shard)
+        tma_add=tma_add, interleave_steps=interleave[tile_m, tile_n, wg],
+        spread_stores=spread), k_shard)
     try:
       cfg.check_shape(m=m, n=n, k_shard=k_shard, num_devices=num_devices)
     except NotImplementedError:
