@@ -13,7 +13,8 @@ as is and with `ablate` = "comm" (peer tiles stored locally, no signals or waits
 loads and adds of received partials), both ("neither": the GEMM core and its local epilogue),
 or "no_add" ("comm" with the owner's partials loaded but not read into registers and added),
 or "moves" / "moves_no_store" (no mainloop: with comm CTAs, their rate inside the kernel, GB/s
-per comm CTA; without storing what they pulled);
+per comm CTA; without storing what they pulled), or "neither_no_store" ("neither" without the
+epilogues' TMA stores);
 plus XLA's dot alone (T_gemm) and dot + psum_scatter (T_seq).
 Differences give the exposed cost of each stage (BUILD_NOTES "What to try first"). On several
 GPUs this runs the NVLink path over all of them (D = GPU count); on one GPU the loopback at
@@ -63,7 +64,10 @@ VARIANTS = {"fused": (), "no_comm": ("comm",), "no_reduce": ("reduce",),
             "no_owner_wait": ("owner_wait",),
             # The data movement alone (no mainloop): with comm CTAs, their rate inside the
             # kernel (row "comm_gbps_per_cta"); "_no_store": a pulling CTA's loads alone.
-            "moves": ("gemm",), "moves_no_store": ("gemm", "recv_store")}
+            "moves": ("gemm",), "moves_no_store": ("gemm", "recv_store"),
+            # "neither" without the epilogues' TMA stores (each sub-tile written to SMEM and
+            # dropped): what the stores cost the GEMM core (BUILD_NOTES 2026-12-06, ninetieth).
+            "neither_no_store": ("comm", "reduce", "store")}
 _ABLATIONS = flags.DEFINE_list("ablations", ["fused", "no_comm", "no_reduce", "neither"],
                                f"Which of {list(VARIANTS)}.")
 
