@@ -35,7 +35,7 @@ def variant_config(base, name: str, num_devices: int = 2):
   remote steps interleaved tile by tile / one after the other: interleave_steps), pf / nopf
   (the next tile's blocks loaded during this tile's end: prefetch_tiles), mf / nomf (the
   next block's wgmma issued before the previous one's ends: mma_in_flight), ss / noss (a
-  tile's stores spread over the next tile's k blocks: spread_stores), f32 / bf16
+  tile's stores spread over the next tile's k blocks: spread_stores, with deferred signals), f32 / bf16
   (partial dtype), ring (numerics mode "unfused_order"), gK (tile order: snake bands K tiles
   wide, grid_tile_width), gm / gn (the bands' minor dimension M / N: grid_minor_dim); then
   fitted to SMEM at `num_devices` (`config.fit_smem`; D = 1 has no partials' SMEM, so a
@@ -104,8 +104,9 @@ _TOKENS = (
         cfg, prefetch_tiles=match[0] == "pf")),
     (r"mf|nomf", lambda cfg, match, lib: dataclasses.replace(
         cfg, mma_in_flight=match[0] == "mf")),
-    (r"ss|noss", lambda cfg, match, lib: dataclasses.replace(
-        cfg, spread_stores=match[0] == "ss")),
+    (r"ss", lambda cfg, match, lib: dataclasses.replace(cfg, spread_stores=True,
+                                                         eager_signal_steps=0)),
+    (r"noss", lambda cfg, match, lib: dataclasses.replace(cfg, spread_stores=False)),
     (r"f32|bf16", lambda cfg, match, lib: lib.with_partial_dtype(
         cfg, "float32" if match[0] == "f32" else "bfloat16", 2)),
     (r"ring", lambda cfg, match, lib: lib.with_numerics(cfg, "unfused_order", 2)),

@@ -539,6 +539,25 @@ def test_mainloop_and_store_variants_change_no_bit(field, prefetch):
     helpers.assert_same_bits(off, on)
 
 
+# Config.spread_stores at D > 1: a tile's stores (the own chunk's into the output, a peer's
+# towards its owner) leave during the CTA's next tile and its signal follows them at the next
+# epilogue: when, not what. Every bit as without it in loopback: the direct push (D = 2 with
+# the owner's TMA add, whose own tiles leave at once; D = 8), pulling comm CTAs and "owner"
+# (D = 4's fp32 partials on 64 x 128 warpgroup tiles: a whole 128 x 128 one does not fit SMEM).
+@pytest.mark.parametrize("d,m,comm", [(2, 2048, {}), (4, 2048, dict(comm_ctas=2, comm_mode="pull")),
+                                      (4, 2048, dict(comm_mode="owner", tma_add=False)),
+                                      (8, 4096, {})])
+def test_spread_stores_change_no_bit(d, m, comm):
+  n, k_shard = 1536, 768
+  base = defaults.default_config(m=m, n=n, k_shard=k_shard, num_devices=d)
+  if d == 4:
+    base = config_lib.with_tile(base, 64, 128)
+  base = config_lib.fit_smem(dataclasses.replace(base, eager_signal_steps=0, **comm), d)
+  spread = config_lib.fit_smem(dataclasses.replace(base, spread_stores=True), d)
+  assert spread.spread_stores and spread.chunk_group(m, d) == 1, spread
+  _same_bits([base, spread], d, m, n, k_shard, seed=15300 + 10 * d + len(comm))
+
+
 def test_prefetch_tiles_at_d1_change_no_bit():
   x, w = testing.generate(15100, 2048, 768, 1536)
   outs = [np.asarray(fused.local_matmul(x, w, config=config_lib.Config(

@@ -89,3 +89,23 @@ def test_rank_alone_gemm_core_interpret(d, rank, n, cfg):
          @ np.asarray(w, np.float32).astype(np.float64))
   assert not np.isnan(out).any(), "an output tile was never written"
   assert np.max(np.abs(out - ref) / (np.abs(ref) + 1e-3 * np.abs(ref).max())) <= 2.0**-8 * 1.01
+
+
+# Config.spread_stores at D > 1, one rank alone ("neither"): each tile's stores (own chunk's
+# into the output, the peers' into this rank's receive slots) leave during the CTA's next tile
+# (8 tiles on 3 CTAs, 4 blocks each), the last one's at once; the own chunk checked.
+def test_rank_alone_spread_stores_interpret():
+  d, rank, m, k, n = 2, 1, 256, 256, 256
+  cfg = config_lib.Config(tile_m=64, tile_n=64, max_concurrent_steps=2, num_sms=3,
+                          spread_stores=True)
+  cfg.check_shape(m=m, n=n, k_shard=k, num_devices=d)
+  x, w = testing.generate(77, m, k, n)
+  params = interpret.InterpretGPUParams(uninitialized_memory="nan")
+  with interpret.force_gpu_interpret_mode(params):
+    out = fused.rank_alone(x, w, num_devices=d, rank=rank, config=cfg, ablate=("comm", "reduce"))
+  out = np.asarray(out.astype(jnp.float32))
+  chunk = slice(rank * m // d, (rank + 1) * m // d)
+  ref = (np.asarray(x, np.float32).astype(np.float64)[chunk]
+         @ np.asarray(w, np.float32).astype(np.float64))
+  assert not np.isnan(out).any(), "an output tile was never written"
+  assert np.max(np.abs(out - ref) / (np.abs(ref) + 1e-3 * np.abs(ref).max())) <= 2.0**-8 * 1.01

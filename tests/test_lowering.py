@@ -676,6 +676,17 @@ def test_mainloop_and_store_variants_lower(field, prefetch):
     assert "mosaic_gpu" in text
 
 
+def test_spread_stores_lowers_in_the_d8_loopback():
+  # Config.spread_stores at D > 1: the previous tile's own or peer stores from the mainloop.
+  cfg = config_lib.fit_smem(config_lib.Config(tile_m=128, tile_n=128, spread_stores=True), 8)
+  xs = jax.ShapeDtypeStruct((8, 1024, 768), jnp.bfloat16)
+  ws = jax.ShapeDtypeStruct((8, 768, 1024), jnp.bfloat16)
+  jax.export.export(jax.jit(functools.partial(fused.loopback_matmul_reduce_scatter,
+                                              config=cfg)), platforms=["cuda"])(xs, ws)
+  with pytest.raises(NotImplementedError, match="spread_stores at D > 1"):  # pairs
+    cfg.check_shape(m=512, n=1024, k_shard=768, num_devices=8)
+
+
 @pytest.mark.parametrize("d", [1, 8])
 def test_prefetch_tiles_lowers(d):
   # jax's pipeline of pipelines across a CTA's tiles (Config.prefetch_tiles), 12 blocks deep 3

@@ -237,10 +237,13 @@ def _compute_program(k: Rank, scoped: dict, cta_index, num_compute):
         *_, acc_ref = rest  # (with mma_in_flight, the current slot's barriers first: unused)
         plgpu.wgmma(acc_ref, x_smem.at[wg_x], w_smem.at[:, wg_w])
         if k.spread:  # The previous tile's sub-tiles leave over this tile's blocks.
-          (step,) = indices
-          prev = k.out.at[k.tile_slices(k.walk(lin_idx - num_compute)[1], wg_idx)[1]]
+          (block,) = indices
+          p_step, p_tile = k.walk(lin_idx - num_compute)
+          ((_, p_offset),) = k.parts(p_step, wg_idx)  # (no pairs: check_shape)
+          p_slices = k.tile_slices(p_tile, wg_idx)[1]
           for i, at in enumerate(_spread_steps(c.sub_tiles, blocks)):
-            pl.when((step == at) & (local_step > 0))(functools.partial(epi.spread_store, i, prev))
+            pl.when((block == at) & (local_step > 0))(functools.partial(
+                epi.spread_tile, p_step, p_tile, p_offset, p_slices, i))
         if not c.mma_in_flight:
           plgpu.wgmma_wait(0)
           return acc_ref

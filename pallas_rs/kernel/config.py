@@ -105,8 +105,10 @@ class Config:
       wgmma before the next: CUTLASS's mainloop; jax's waits for each.
     spread_stores: a finished tile waits in SMEM (a slot per epilogue sub-tile) and its TMA
       stores leave one sub-tile at a time over the k blocks of the CTA's next tile (the last
-      tile's after the loop), instead of all at once in the epilogue: the SM's TMA unit then
-      never has a whole tile to write ahead of the next tile's loads. D = 1 (check_shape).
+      tile's at once), instead of all at once in the epilogue: the SM's TMA unit then never
+      has a whole tile to write ahead of the next tile's loads (own tiles TMA-added with
+      tma_add still leave at once). At D > 1 with deferred signals (a peer's tile is
+      announced at the next epilogue, once its stores have landed) and no pairs (check_shape).
   """
   tile_m: int = 128
   tile_n: int = 128
@@ -350,9 +352,12 @@ class Config:
       raise NotImplementedError(  # jax's pipeline of pipelines keeps its slots in step.
           f"prefetch_tiles needs the {blocks} k blocks of {k_shard=} (tile_k={self.tile_k}) a "
           f"multiple of max_concurrent_steps={self.max_concurrent_steps}")
-    if self.spread_stores and num_devices > 1:
-      raise NotImplementedError(
-          f"spread_stores runs at D = 1 (its tiles all own, none sent), got {num_devices=}")
+    if self.spread_stores and num_devices > 1 and (
+        self.chunk_group(m, num_devices) == 2 or self.eager_signal_steps):
+      raise NotImplementedError(  # A tile's stores leave during the next: it cannot say now.
+          "spread_stores at D > 1 runs with deferred signals and a CTA tile within one "
+          f"{chunk}-row chunk, got eager_signal_steps={self.eager_signal_steps}, "
+          f"tile_m={self.tile_m}, wg_dimension={self.wg_dimension.name}")
     if self.tile_n % 32:
       raise NotImplementedError(
           f"tile_n={self.tile_n} must be a multiple of 32: the x and w blocks take the 128 B "

@@ -61,11 +61,10 @@ class Epilogue:
     run time among static ones): the sub-tile is written to SMEM once and only its TMA
     store is emitted per peer (written per peer, the register-to-SMEM code was in the module
     D - 1 times: 20-32% of the D = 8 module's lowering time, docs/design.md section 4)."""
-    mi, ni = self.k.epi_tiles[i]
-    if self.k.spread and smem is self.out_smem and not add:
-      smem[self.wg, i] = sub  # Its store leaves during the next tile (`spread_store`),
+    if self.k.spread and not add:
+      smem[self.wg, i] = sub  # Its store leaves during the CTA's next tile (`spread_tile`),
       plgpu.commit_smem()
-      pl.when(self.last)(lambda: self.spread_store(i, dst_ref))  # or now, if there is none.
+      pl.when(self.last)(lambda: self.spread_store(i, smem, dst_ref))  # or now: no next tile.
       return
     slots = self.k.config.num_out_slots
     slot = i % slots
@@ -75,21 +74,41 @@ class Epilogue:
     if not self.k.hooks.store:
       return  # Written to SMEM, which keeps the tile's wgmmas (unread, Pallas drops them).
     plgpu.commit_smem()
+    self._copy_out(smem.at[self.wg, slot], dst_ref, i, add)
+
+  def _copy_out(self, src, dst_ref, i, add=False):
+    """The TMA store of the SMEM sub-tile `src` to sub-tile i of `dst_ref` (store_sub's)."""
+    mi, ni = self.k.epi_tiles[i]
     targets = dst_ref if isinstance(dst_ref, list) else [(None, lambda: dst_ref)]
     for when, ref in targets:
       def copy(ref=ref):
-        plgpu.copy_smem_to_gmem(smem.at[self.wg, slot], ref().at[self.k.epi_slices(mi, ni)],
+        plgpu.copy_smem_to_gmem(src, ref().at[self.k.epi_slices(mi, ni)],
                                 reduction_op="add" if add else None)
       if when is None:
         copy()
       else:
         pl.when(when)(copy)
 
-  def spread_store(self, i, dst_ref):
-    """Config.spread_stores: the TMA store of sub-tile i, waiting in its SMEM slot since the
-    epilogue of its tile (whose [tile_m, tile_n] place is `dst_ref`)."""
-    mi, ni = self.k.epi_tiles[i]
-    plgpu.copy_smem_to_gmem(self.out_smem.at[self.wg, i], dst_ref.at[self.k.epi_slices(mi, ni)])
+  def spread_store(self, i, smem, dst_ref):
+    """Config.spread_stores: the TMA store of sub-tile i, in slot i of `smem` since the
+    epilogue of its tile, whose place is `dst_ref` (store_sub's forms)."""
+    self._copy_out(smem.at[self.wg, i], dst_ref, i)
+
+  def spread_tile(self, step, tile, offset, slices, i):
+    """Config.spread_stores, from the CTA's next tile: sub-tile i's store of this warpgroup's
+    tile at (step, tile) (for the rank at `offset`; `slices` as in tile_slices): into the
+    output if own (unless TMA-added: stored at once), else towards its owner (remote_dst)."""
+    k = self.k
+    if not self.own_adds:
+      pl.when(offset == 0)(lambda: self.spread_store(i, self.out_smem, k.out.at[slices]))
+    if k.d > 1:
+      pl.when(offset != 0)(lambda: self.spread_store(
+          i, self.send_smem, self.remote_dst(step, offset, slices)))
+
+  @property
+  def own_adds(self) -> bool:
+    """The own tile is TMA-added onto the peers' partials in the output (sum_in_output)."""
+    return self.k.sum_in_output and self.k.hooks.reduce
 
   def store_tile(self, subs, smem, dst_ref, add=False):
     for i, sub in enumerate(subs):
@@ -227,7 +246,7 @@ class Epilogue:
       self.owner_wait(tile)
     acc = acc().astype(k.out.dtype)
     self.store_tile([acc[k.epi_slices(mi, ni)] for mi, ni in k.epi_tiles], self.out_smem,
-                    out, add=k.sum_in_output and k.hooks.reduce)
+                    out, add=self.own_adds)
 
   def remote(self, acc, step, tile, offset, slices):
     """A peer's tile (the peer at `offset`; `acc()`: its f32 accumulator): staged locally for
@@ -236,21 +255,8 @@ class Epilogue:
     chunk), else at the next epilogue."""
     k, d = self.k, self.k.d
     acc = acc().astype(k.part_dtype)
-    subs = [acc[k.epi_slices(mi, ni)] for mi, ni in k.epi_tiles]
-    if k.staging:
-      # Local staging at HBM speed; comm CTAs or the owner move it on.
-      self.store_tile(subs, self.send_smem, k.stage_local.at[step].at[slices])
-    else:
-      # Into the owner's output to add onto (sum_in_output), else its receive slot; this
-      # rank's own buffer under the "comm" ablation.
-      whole, local = ((k.out_all, k.out) if k.sum_in_output else (k.recv_gmem, k.recv_local))
-
-      def owner_buffer(o):
-        dst = k.transport.peer(whole, k.rank, o) if k.hooks.comm else local
-        return (dst if k.sum_in_output else dst.at[schedule.recv_slot(o)]).at[slices]
-
-      self.store_tile(subs, self.send_smem,
-                      [(offset == o, functools.partial(owner_buffer, o)) for o in range(1, d)])
+    self.store_tile([acc[k.epi_slices(mi, ni)] for mi, ni in k.epi_tiles], self.send_smem,
+                    self.remote_dst(step, offset, slices))
     for o in range(1, d):
       @pl.when(offset == o)
       def _():
@@ -264,6 +270,23 @@ class Epilogue:
           announce_now()
         elif k.hooks.comm and k.pairs:
           pl.when(step == k.steps - 1)(announce_now)
+
+  def remote_dst(self, step, offset, slices):
+    """Where this warpgroup's remote tile at `step` (for the rank at `offset`; `slices` as in
+    tile_slices) goes, as store_sub takes it: the local staging (comm CTAs or the owner move
+    it on, at HBM speed) or, among the static peers, the owner's receive slot (its output
+    with sum_in_output, where the owner adds its own); this rank's own buffer under the "comm"
+    ablation."""
+    k = self.k
+    if k.staging:
+      return k.stage_local.at[step].at[slices]
+    whole, local = ((k.out_all, k.out) if k.sum_in_output else (k.recv_gmem, k.recv_local))
+
+    def owner_buffer(o):
+      dst = k.transport.peer(whole, k.rank, o) if k.hooks.comm else local
+      return (dst if k.sum_in_output else dst.at[schedule.recv_slot(o)]).at[slices]
+
+    return [(offset == o, functools.partial(owner_buffer, o)) for o in range(1, k.d)]
 
   def exit_handshake(self, cta_index, num_compute):
     """"owner": this warpgroup reads no peer any more (every load was waited on before its
