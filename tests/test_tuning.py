@@ -230,7 +230,8 @@ def test_candidates_vary_one_field_each_first():
 
 def test_spread_stores_is_searched_at_d1_only():
   # Config.spread_stores holds a whole warpgroup tile in SMEM: at D = 1 the search space has
-  # it where that fits beside the pipeline; at D > 1 the kernel refuses it.
+  # it where that fits beside the pipeline; at D > 1 it is tried around a tuned config
+  # (candidates.spread_variants), and the kernel refuses it with pairs or eager signals.
   d1 = [c for c in candidates.search_space(m=2048, n=6144, k_shard=768, num_devices=1)
         if c.spread_stores]
   assert d1 and all(c.fits_smem(1) and c.num_out_slots == c.sub_tiles for c in d1)
@@ -238,8 +239,12 @@ def test_spread_stores_is_searched_at_d1_only():
       (128, 256, 3), (128, 192, 4)}
   assert not any(c.spread_stores for c in candidates.search_space(
       m=2048, n=6144, k_shard=768, num_devices=2))
-  with pytest.raises(NotImplementedError, match="spread_stores runs at D = 1"):
-    d1[0].check_shape(m=2048, n=6144, k_shard=768, num_devices=2)
+  m_split = next(c for c in d1 if c.wg_dimension == config_lib.MatmulDimension.M
+                 and c.tile_m == 64)  # 128-row CTA tiles: over two 64-row chunks at m = 128
+  m_split.check_shape(m=2048, n=6144, k_shard=768, num_devices=2)
+  for cfg, m in ((m_split, 128), (dataclasses.replace(m_split, eager_signal_steps=1), 2048)):
+    with pytest.raises(NotImplementedError, match="spread_stores at D > 1"):
+      cfg.check_shape(m=m, n=6144, k_shard=768, num_devices=2)
 
 
 def test_adapt_config_for_loopback():
