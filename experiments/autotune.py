@@ -73,7 +73,7 @@ flags.DEFINE_integer("iterations", 30, "Timed iterations per function.")
 flags.DEFINE_integer("warmup", 2, "Untimed calls after compilation.")
 flags.DEFINE_integer("max_configs", 6, "Candidate configs per shape (<= 0: all).")
 flags.DEFINE_enum("candidates", "search", ["search", "comm", "tiles", "owner", "order",
-                                           "prefetch"],
+                                           "prefetch", "spread"],
                   "multi_gpu: 'search' = candidates.candidate_configs (default config and "
                   "one-field variants); 'comm' = the config the gate runs now for the shape "
                   "(table or default) with each way of moving the partials "
@@ -84,7 +84,8 @@ flags.DEFINE_enum("candidates", "search", ["search", "comm", "tiles", "owner", "
                   "(candidates.owner_variants: D = 2); 'order' = that config with each tile "
                   "order (candidates.order_variants: large M); 'prefetch' = that config "
                   "with prefetch_tiles switched, and with it one pipeline step deeper or "
-                  "shallower (candidates.prefetch_variants).")
+                  "shallower (candidates.prefetch_variants); 'spread' = that config with "
+                  "spread_stores switched (candidates.spread_variants).")
 flags.DEFINE_bool("loopback", True, "single_gpu: also time the loopback at the "
                   "case's D with the best 2 configs (informational entries).")
 flags.DEFINE_float("margin", 0.0, "Choose fused only if its median < (1 - "
@@ -498,6 +499,8 @@ def multi_gpu_candidates(*, m: int, n: int, k_shard: int, d: int) -> list:
     cfgs = candidates.order_variants(base, m=m, n=n, k_shard=k_shard, num_devices=d)
   elif FLAGS.candidates == "prefetch":
     cfgs = candidates.prefetch_variants(base, m=m, n=n, k_shard=k_shard, num_devices=d)
+  elif FLAGS.candidates == "spread":
+    cfgs = candidates.spread_variants(base, m=m, n=n, k_shard=k_shard, num_devices=d)
   else:
     cfgs = candidates.comm_variants(base, m=m, n=n, k_shard=k_shard, num_devices=d,
                                     pull=fused.remote_tma_loads_supported())

@@ -22,6 +22,7 @@
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh owner    # D = 2, all 32 shapes: each entry with/without the TMA add
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh order    # M = 8192/32768 (seed, proxy8): retune the tile order
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh prefetch # D = 2, all 32 shapes: each entry with/without prefetch_tiles
+#   OUT=/tmp/mg bash experiments/run_multi_gpu.sh spread   # D = 2, all 32 shapes: each entry with/without spread_stores
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh owner_pull  # the owner's epilogue pulls (comm_mode "owner") vs push / comm CTAs
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh chains   # 4 GPUs: the ring chain / sum slot (D > 2) vs receive slots / direct push
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh pull_wm  # 4 GPUs, M = 512: 4 pulling CTAs + TMA add + the M split vs the table
@@ -182,13 +183,16 @@ llama70b_o_proj_m512,llama70b_o_proj_m32768,mixtral8x22b_w2_m2048,llama70b_down_
         --names="$names" --iterations=20 --margin=0.02 --table="$out/tuning_table.json" \
         --out="$out/autotune_$1_m$m.json" 2>&1 | quiet | tail -14
     done ;;
-  owner|prefetch)
+  owner|prefetch|spread)
     # Each of the 32 D = 2 entries (seed and proxy8) with one switch flipped where it runs, into
     # a copy of the tuning table; a challenger needs a 2% win. "owner": the owner's sum by TMA
     # add (Config.tma_add, D = 2); "prefetch": the next tile's blocks loaded during this tile's
     # end (Config.prefetch_tiles: 2-10% off D = 8's short k_shards on one GPU, BUILD_NOTES
     # 2026-12-06), which the entries, measured before it, leave off; also at a depth one step
     # off the entry's where that lets it run (most entries' 3 steps divide no D = 2 k_shard).
+    # "spread": a tile's stores (the pushes to the owner) spread over the next tile's blocks
+    # (Config.spread_stores: on one H100 1-6% off a D = 8 rank's GEMM core; over NVLink, where
+    # a push holds up the SM's next loads, never measured: BUILD_NOTES 2026-12-06, ninetieth).
     cp pallas_rs/tuning/data/tuning_table.json "$out/tuning_table.json"
     for tag in seed proxy8; do
       timeout 270 python3 experiments/autotune.py --mode=multi_gpu --candidates="$1" \
@@ -335,7 +339,7 @@ mixtral8x22b_w2_m512,llama70b_o_proj_m2048,mixtral8x22b_o_proj_m2048 \
         | cut -c1-200 | head -12
     done ;;
   *) echo "usage: $0 check|timer|sustained|sweep|proxy8|ablate|probe|numerics|model|layers_llama70b|layers_mixtral8x22b|ag|roofline|mesh2d|smallm|\
-smallm_proxy8|timeline|tiles|order|owner|prefetch|owner_pull|chains|pull_wm|alone|hang|stall|stall_which|\
+smallm_proxy8|timeline|tiles|order|owner|prefetch|spread|owner_pull|chains|pull_wm|alone|hang|stall|stall_which|\
 stall_ablate|stall_loopback" >&2
      exit 2 ;;
 esac

@@ -1005,7 +1005,7 @@ def test_autotune_times_a_pulling_entrys_fallback_beside_it(monkeypatch):
     entry = _entry(8192, d=2, k_shard=4096, cfg=pull)
     entry["fallback"] = {"config": tuning.config_to_json(push), "times_us": [11.0]}
     shape = dict(m=8192, n=N, k_shard=4096, d=2)
-    for step in ("owner", "tiles", "order", "prefetch"):
+    for step in ("owner", "tiles", "order", "prefetch", "spread"):
       flags.FLAGS.candidates = step  # The script's flags leave with it (forget_scripts).
       with tuning.use_table(_table(entry)):
         got = autotune.multi_gpu_candidates(**shape)
@@ -1053,3 +1053,15 @@ def test_shipped_pull_entries_run_a_measured_fallback_or_xla_without_remote_load
     assert np.median(fb["times_us"]) < 0.98 * np.median(e["times_us"]["xla"])
     assert (got.implementation, got.source) == ("fused", "table"), (k, got)
     assert got.config == tuning.config_from_json(fb["config"]), k
+
+
+def test_spread_variants():
+  base = config_lib.fit_smem(config_lib.Config(tile_m=128, tile_n=128, eager_signal_steps=1), 2)
+  got = candidates.spread_variants(base, m=2048, n=6144, k_shard=768, num_devices=2)
+  assert got[0] == base and len(got) == 2
+  assert got[1].spread_stores and got[1].eager_signal_steps == 0 and got[1].fits_smem(2)
+  # Pairs (a 128-row CTA tile over two 64-row chunks): the incumbent alone.
+  m_split = config_lib.fit_smem(config_lib.Config(
+      tile_m=64, tile_n=256, wg_dimension=config_lib.MatmulDimension.M), 2)
+  assert candidates.spread_variants(m_split, m=128, n=6144, k_shard=768,
+                                    num_devices=2) == [m_split]

@@ -6,7 +6,7 @@
 or pushing); `tile_variants` its CTA tile shapes (small M: how many SMs one wave fills, and
 how many waves the transfer can overlap); `order_variants` its tile orders (large M: what a
 wave reads); `prefetch_variants` it with Config.prefetch_tiles switched (and at a depth one
-step either way);
+step either way); `spread_variants` with Config.spread_stores switched;
 `ag_tile_variants` the same for the backward's
 all-gather matmul (jax's kernel: `pallas_rs.kernel.ag_matmul`); `adapt_config` carries a
 config measured at one D to another (the loopback entries).
@@ -237,6 +237,19 @@ def prefetch_variants(base: Config, *, m: int, n: int, k_shard: int,
     if steps >= 3 and cfg.prefetch_runs(k_shard) and cfg.fits_smem(num_devices):
       others.append(cfg)
   return _fitting([base, *others], m=m, n=n, k_shard=k_shard, num_devices=num_devices)
+
+
+def spread_variants(base: Config, *, m: int, n: int, k_shard: int,
+                    num_devices: int) -> list[Config]:
+  """`base` (the incumbent) first, then with Config.spread_stores switched over (on: with
+  deferred signals, as it needs), fitted to SMEM; left out where the kernel cannot take it
+  (pairs). On one H100 it took 1-6% off a D = 8 rank's GEMM core, but its whole tile of SMEM
+  cost the owner's receive stages there (that rank's program 3-8% slower); over NVLink, where
+  a push holds up the SM's next loads (docs/design.md section 8), it has not run."""
+  on = not base.spread_stores
+  flipped = dataclasses.replace(base, spread_stores=on,
+                                **({"eager_signal_steps": 0} if on else {}))
+  return _fitting([base, flipped], m=m, n=n, k_shard=k_shard, num_devices=num_devices)
 
 
 def ag_tile_variants(m_shard: int, k: int, n: int) -> list:
