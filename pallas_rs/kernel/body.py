@@ -121,11 +121,11 @@ def _pipeline(k: Rank, pipeline_body, compute_context, state=None):
   )
 
 
-def _release_slot(pipeline_allocs, step, slots: int) -> None:
-  """Config.mma_in_flight: this warpgroup is done with the x and w blocks of k step `step`
+def _release_slot(pipeline_allocs, block, slots: int) -> None:
+  """Config.mma_in_flight: this warpgroup is done with the x and w blocks of k block `block`
   (its wgmma has finished), so the memory warpgroup may refill their slot."""
   for barrier in pipeline_allocs["flat_consumed_barrier_refs"]:
-    plgpu.barrier_arrive(barrier.at[lax.rem(step, slots)])
+    plgpu.barrier_arrive(barrier.at[lax.rem(block, slots)])
 
 
 def _spread_steps(sub_tiles: int, blocks: int) -> list[int]:
@@ -235,9 +235,9 @@ def _compute_program(k: Rank, scoped: dict, cta_index, num_compute):
 
       def mma_body(indices, x_smem, w_smem, *rest):
         *_, acc_ref = rest  # (with mma_in_flight, the current slot's barriers first: unused)
+        (block,) = indices  # This tile's k block.
         plgpu.wgmma(acc_ref, x_smem.at[wg_x], w_smem.at[:, wg_w])
         if k.spread:  # The previous tile's sub-tiles leave over this tile's blocks.
-          (block,) = indices
           p_step, p_tile = k.walk(lin_idx - num_compute)
           ((_, p_offset),) = k.parts(p_step, wg_idx)  # (no pairs: check_shape)
           p_slices = k.tile_slices(p_tile, wg_idx)[1]
@@ -248,8 +248,7 @@ def _compute_program(k: Rank, scoped: dict, cta_index, num_compute):
           plgpu.wgmma_wait(0)
           return acc_ref
         plgpu.wgmma_wait(1)  # The previous block's wgmma is done: its slot goes back.
-        (step,) = indices
-        pl.when(step > 0)(lambda: _release_slot(pipeline_allocs, step - 1, slots))
+        pl.when(block > 0)(lambda: _release_slot(pipeline_allocs, block - 1, slots))
         return acc_ref
 
       if not k.hooks.gemm:
