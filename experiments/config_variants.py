@@ -33,10 +33,9 @@ def variant_config(base, name: str, num_devices: int = 2):
   sum by TMA add: tma_add; D = 2 in the ring's numerics, D > 2 with pN, ring or fp32 partials),
   noadd (tma_add off), il / st (the
   remote steps interleaved tile by tile / one after the other: interleave_steps), pf / nopf
-  (the next tile's blocks loaded during this tile's end: prefetch_tiles), mf / nomf (the
-  next block's wgmma issued before the previous one's ends: mma_in_flight), ss / noss (a
-  tile's stores spread over the next tile's k blocks: spread_stores, with deferred signals), f32 / bf16
-  (partial dtype), ring (numerics mode "unfused_order"), gK (tile order: snake bands K tiles
+  (the next tile's blocks loaded during this tile's end: prefetch_tiles), ss / noss (a
+  tile's stores spread over the next tile's k blocks: spread_stores, with deferred signals),
+  f32 / bf16 (partial dtype), ring (numerics mode "unfused_order"), gK (tile order: snake bands K tiles
   wide, grid_tile_width), gm / gn (the bands' minor dimension M / N: grid_minor_dim); then
   fitted to SMEM at `num_devices` (`config.fit_smem`; D = 1 has no partials' SMEM, so a
   pipeline that fits there alone stays as deep). "table" is accepted as a no-op (the base is
@@ -102,8 +101,6 @@ _TOKENS = (
         cfg, interleave_steps=match[0] == "il")),
     (r"pf|nopf", lambda cfg, match, lib: dataclasses.replace(
         cfg, prefetch_tiles=match[0] == "pf")),
-    (r"mf|nomf", lambda cfg, match, lib: dataclasses.replace(
-        cfg, mma_in_flight=match[0] == "mf")),
     (r"ss", lambda cfg, match, lib: dataclasses.replace(cfg, spread_stores=True,
                                                          eager_signal_steps=0)),
     (r"noss", lambda cfg, match, lib: dataclasses.replace(cfg, spread_stores=False)),

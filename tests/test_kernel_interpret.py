@@ -33,12 +33,6 @@ M = config_lib.MatmulDimension
                        prefetch_tiles=True), 256, 256, 256),
     pytest.param(config_lib.Config(tile_m=64, tile_n=64, max_concurrent_steps=4, num_sms=10,
                                    prefetch_tiles=True), 256, 256, 256, marks=pytest.mark.slow),
-    # mma_in_flight: each block's slot released a step late, by hand (4 blocks on 2 slots,
-    # 3 tiles per CTA), with prefetch_tiles and without (each tile's pipeline drains).
-    (config_lib.Config(tile_m=64, tile_n=64, max_concurrent_steps=2, num_sms=3,
-                       prefetch_tiles=True, mma_in_flight=True), 256, 256, 256),
-    pytest.param(config_lib.Config(tile_m=64, tile_n=64, max_concurrent_steps=3, num_sms=3,
-                                   mma_in_flight=True), 256, 256, 256, marks=pytest.mark.slow),
     # spread_stores: a tile's 2 sub-tiles leave during the CTA's next tile (4 blocks), the
     # last tile's after the loop (8 tiles on 3 CTAs); 4 sub-tiles over 2 blocks.
     (config_lib.Config(tile_m=64, tile_n=128, max_concurrent_steps=2, num_sms=3,

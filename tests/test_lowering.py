@@ -658,14 +658,13 @@ def test_interleaved_walk_reaches_the_kernel(monkeypatch):
 
 
 @pytest.mark.parametrize("prefetch", [False, True])
-@pytest.mark.parametrize("field", ["mma_in_flight", "spread_stores"])
-def test_mainloop_and_store_variants_lower(field, prefetch):
-  # Config.mma_in_flight (consumed barriers arrived by hand a step late) and spread_stores (a
-  # tile's stores over the next tile's blocks) at D = 1, with and without the pipeline of
-  # pipelines, and the "store" ablation (no TMA stores) and "gemm" (no mainloop).
+@pytest.mark.parametrize("spread", [False, True])
+def test_store_variants_lower(spread, prefetch):
+  # Config.spread_stores (a tile's stores over the next tile's blocks) at D = 1, with and
+  # without the pipeline of pipelines, and the "store" ablation (no TMA stores) and "gemm"
+  # (no mainloop).
   cfg = config_lib.Config(tile_m=64, tile_n=256, wg_dimension=config_lib.MatmulDimension.M,
-                          max_concurrent_steps=3,
-                          prefetch_tiles=prefetch, **{field: True})
+                          max_concurrent_steps=3, prefetch_tiles=prefetch, spread_stores=spread)
   assert cfg.fits_smem(1), cfg
   x = jax.ShapeDtypeStruct((2048, 768), jnp.bfloat16)
   w = jax.ShapeDtypeStruct((768, 1024), jnp.bfloat16)

@@ -117,15 +117,7 @@ def _pipeline(k: Rank, pipeline_body, compute_context, state=None):
       max_concurrent_steps=c.max_concurrent_steps,
       compute_context=compute_context,
       pipeline_state=state,
-      manual_consumed_barriers=c.mma_in_flight,  # Released a step late: _release_slot.
   )
-
-
-def _release_slot(pipeline_allocs, block, slots: int) -> None:
-  """Config.mma_in_flight: this warpgroup is done with the x and w blocks of k block `block`
-  (its wgmma has finished), so the memory warpgroup may refill their slot."""
-  for barrier in pipeline_allocs["flat_consumed_barrier_refs"]:
-    plgpu.barrier_arrive(barrier.at[lax.rem(block, slots)])
 
 
 def _spread_steps(sub_tiles: int, blocks: int) -> list[int]:
@@ -175,7 +167,6 @@ def _compute_program(k: Rank, scoped: dict, cta_index, num_compute):
   the exit handshake."""
   d, c = k.d, k.config
   blocks = k.x.shape[1] // c.tile_k
-  slots = c.pipeline_slots(k.x.shape[1])
 
   @functools.partial(pl.run_scoped, collective_axes="wg", **scoped)
   def _scope(pipeline_allocs, out_smem, part_smem=None, part_barrier=None, send_smem=None):
@@ -200,9 +191,6 @@ def _compute_program(k: Rank, scoped: dict, cta_index, num_compute):
         def _acc_scope(acc_ref):
           with jax.named_scope("mainloop"):
             eval_pipeline(acc_ref)
-          if c.mma_in_flight and k.hooks.gemm:  # The last block's wgmma, its slot.
-            plgpu.wgmma_wait(0)
-            _release_slot(pipeline_allocs, blocks - 1, slots)
           # The previous tile's stores had this tile's whole mainloop to land.
           plgpu.wait_smem_to_gmem(0, wait_read_only=False)
           epi.announce_deferred(lin_idx - num_compute, lambda: local_step > 0)
@@ -233,8 +221,7 @@ def _compute_program(k: Rank, scoped: dict, cta_index, num_compute):
               plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             phase(rows, offset)
 
-      def mma_body(indices, x_smem, w_smem, *rest):
-        *_, acc_ref = rest  # (with mma_in_flight, the current slot's barriers first: unused)
+      def mma_body(indices, x_smem, w_smem, acc_ref):
         (block,) = indices  # This tile's k block.
         plgpu.wgmma(acc_ref, x_smem.at[wg_x], w_smem.at[:, wg_w])
         if k.spread:  # The previous tile's sub-tiles leave over this tile's blocks.
@@ -244,11 +231,7 @@ def _compute_program(k: Rank, scoped: dict, cta_index, num_compute):
           for i, at in enumerate(_spread_steps(c.sub_tiles, blocks)):
             pl.when((block == at) & (local_step > 0))(functools.partial(
                 epi.spread_tile, p_step, p_tile, p_offset, p_slices, i))
-        if not c.mma_in_flight:
-          plgpu.wgmma_wait(0)
-          return acc_ref
-        plgpu.wgmma_wait(1)  # The previous block's wgmma is done: its slot goes back.
-        pl.when(block > 0)(lambda: _release_slot(pipeline_allocs, block - 1, slots))
+        plgpu.wgmma_wait(0)
         return acc_ref
 
       if not k.hooks.gemm:

@@ -33,11 +33,9 @@ NUMERICS_MODES = {
 
 
 def wg_split_aligned(tile_n: int, wg_dimension) -> bool:
-  """Whether w's SMEM block splits between the warpgroups at the 128-byte swizzle: along N at
-  column tile_n, on its 64-column tiles (Mosaic GPU refuses other slices). jax's kernel
-  (ag_matmul) and `with_wg_along_n` keep to it; Config also takes 32-column multiples at the
-  64-byte swizzle (Config.operand_swizzle_cols), which lower but ran slower (BUILD_NOTES
-  2026-12-02)."""
+  """Whether w's SMEM block splits between the warpgroups at the 128-byte swizzle (along N at
+  column tile_n, on 64-column tiles), as ag_matmul and `with_wg_along_n` keep to; Config also
+  takes 32-column multiples at the 64-byte swizzle, which ran slower (BUILD_NOTES 2026-12-02)."""
   return MatmulDimension(wg_dimension) == MatmulDimension.M or tile_n % 64 == 0
 
 
@@ -70,45 +68,31 @@ class Config:
     grid_minor_dim: minor dimension of the snake order of tiles within a chunk.
     grid_tile_width: width of the snake bands.
     num_sms: CTAs of the persistent grid (all ranks together in loopback mode).
-    eager_signal_steps: how many of the last remote steps (destinations) announce each
-      tile as soon as its store lands, instead of at the start of the CTA's next epilogue
-      (schedule.py). 0 (default) defers every signal; D - 1 or more makes all eager.
+    eager_signal_steps: how many of the last remote steps announce a tile once its store
+      lands, not at the CTA's next epilogue (schedule.py); 0 (default) defers all.
     comm_ctas: CTAs per rank that only move partial tiles (docs/design.md section 3.2); n > 0
       (kernel v3): compute CTAs stage every peer tile locally and never touch NVLink.
-    out_slots: SMEM slots per compute warpgroup for epilogue sub-tiles on their way out; 0
-      (default) is min(2, sub-tiles).
+    out_slots: SMEM slots per warpgroup for outgoing sub-tiles; 0 (default): min(2, sub-tiles).
     partial_dtype: dtype of the partial tiles sent to their owners (PARTIAL_DTYPES).
-    comm_mode: how the partials move (COMM_MODES): with comm CTAs "push" (the source's comm
-      CTAs TMA-store the staged tiles into the owner's receive slots) or "pull" (the owner's
-      comm CTAs TMA-load them from the source's staging buffer: jax >= 0.11.2 on devices);
-      with comm_ctas = 0 "owner" (the source stages them, the owner's compute CTAs TMA-load
-      them in their own epilogue: no comm CTA, no receive buffer, no remote store; 3.2),
-      else the direct push.
-    owner_sum: how the owner adds the partials (OWNER_SUMS), both in NCCL's ring order (the
-      peers' from r + 1 on, its own last): "fp32" (in fp32, one rounding) or "bf16_ring" (bf16
-      partials only: the unfused path's arithmetic, bit for bit wherever the partials equal
-      cuBLAS's). `numerics` names the pair.
-    tma_add: the peers' partials are summed by TMA reduce-adds as they land, the same bits
-      (docs/design.md section 3.5; where: tma_add_runs): "bf16_ring" into the owner's output,
-      onto which the owner TMA-adds its own (`sum_in_output`: no receive buffer, nothing
-      loaded); fp32 partials by pulling comm CTAs at D > 2 into one receive slot, which the
-      owner loads once instead of D - 1 times (`sum_slot`).
+    comm_mode: how the partials move (COMM_MODES): with comm CTAs "push" (the source's push
+      staged tiles to the owner) or "pull" (the owner's load them: jax >= 0.11.2); with
+      comm_ctas = 0 "owner" (the owner's compute CTAs load the staged tiles in their epilogue:
+      no comm CTA, receive buffer or remote store; 3.2), else the direct push.
+    owner_sum: how the owner adds the partials (OWNER_SUMS), in NCCL's ring order: "fp32"
+      (one rounding) or "bf16_ring" (bf16 partials: the unfused path's arithmetic, bit for bit
+      wherever the partials equal cuBLAS's). `numerics` names the pair.
+    tma_add: the peers' partials summed by TMA reduce-adds as they land, the same bits (3.5;
+      tma_add_runs): "bf16_ring" in the owner's output, onto which it adds its own
+      (`sum_in_output`); fp32 by pulling comm CTAs at D > 2 into one slot (`sum_slot`).
     interleave_steps: the remote steps walked tile by tile, step fastest (the own step still
       last; schedule.step_and_tile): a wave reads fewer columns of w where a step is one row.
-    prefetch_tiles: the memory warpgroup loads the first blocks of the CTA's next tile while
-      the compute warpgroups finish this one and write it out (jax's pipeline of pipelines),
-      instead of starting them after the tile's last block is consumed: a bubble per tile
-      that short k_shards (D = 8: 12-16 blocks) feel most. Needs the k_shard's blocks a
-      multiple of the pipeline depth (check_shape).
-    mma_in_flight: each k block's wgmma is issued while the previous one still runs (waited
-      down to one in flight, its SMEM slot released a step late) instead of waiting for every
-      wgmma before the next: CUTLASS's mainloop; jax's waits for each.
-    spread_stores: a finished tile waits in SMEM (a slot per epilogue sub-tile) and its TMA
-      stores leave one sub-tile at a time over the k blocks of the CTA's next tile (the last
-      tile's at once), instead of all at once in the epilogue: the SM's TMA unit then never
-      has a whole tile to write ahead of the next tile's loads (own tiles TMA-added with
-      tma_add still leave at once). At D > 1 with deferred signals (a peer's tile is
-      announced at the next epilogue, once its stores have landed) and no pairs (check_shape).
+    prefetch_tiles: the memory warpgroup loads the CTA's next tile's first blocks while the
+      compute warpgroups finish this one (jax's pipeline of pipelines), not after: needs the
+      k_shard's blocks a multiple of the pipeline depth (check_shape).
+    spread_stores: a finished tile waits in SMEM (a slot per sub-tile) and its TMA stores
+      leave one sub-tile per k block of the CTA's next tile (its last tile's at once), not all
+      ahead of that tile's loads on the SM's TMA unit (docs/design.md section 3). D > 1: with
+      deferred signals and no pairs (check_shape); own tiles TMA-added with tma_add at once.
   """
   tile_m: int = 128
   tile_n: int = 128
@@ -130,7 +114,6 @@ class Config:
   tma_add: bool = False
   interleave_steps: bool = False
   prefetch_tiles: bool = False
-  mma_in_flight: bool = False
   spread_stores: bool = False
 
   def __post_init__(self):
@@ -376,8 +359,7 @@ class Config:
              if loopback else "rank"))
 
 
-# Config's on/off switches (each checked to be a bool, here and in a tuning table's JSON), read
-# off the annotations so that a new one is checked without being listed.
+# Config's on/off switches, checked to be bools here and in tables, read off the annotations.
 BOOL_FIELDS = tuple(f.name for f in dataclasses.fields(Config) if f.type in ("bool", bool))
 
 
@@ -445,11 +427,8 @@ def with_wg_along_n(cfg: Config) -> Config:
 
 def with_prefetch(cfg: Config, k_shard: int) -> Config:
   """`cfg` with prefetch_tiles wherever it can run over k_shard (Config.prefetch_runs), as the
-  default and the search space take it. On one H100 (BUILD_NOTES 2026-12-06, eighty-ninth
-  session), at M >= 2048 it was 2-10% faster on k_shards of 12-16 blocks (D = 8's o_proj) and
-  1-3.5% on 32-56, never more than ~1% slower; at M = 512 (a tile or two per CTA) within the
-  calls' noise (one rank alone: 2.4% faster in one call, 4.8% slower in another). The
-  pipeline's depth is not given up for it (2 steps with it were 0-21% slower than 3 without)."""
+  default and the search space take it, never giving up pipeline depth for it (one H100: 2-10%
+  faster at 12-16 blocks, 2 steps with it 0-21% slower than 3 without: docs/design.md 3)."""
   return dataclasses.replace(cfg, prefetch_tiles=cfg.prefetch_runs(k_shard))
 
 
