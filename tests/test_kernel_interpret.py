@@ -59,19 +59,25 @@ def test_local_matmul_interpret(cfg, m, k, n):
 # warpgroup's tile has two, one per 64-row half (ranks 0 and 1 give the other half). (n = 256
 # there: a grid one CTA tile wide crashes the CPU interpreter in jax's planar_snake, whose
 # unused partial-band branch takes a remainder by zero.)
-@pytest.mark.parametrize("d,rank,n,cfg", [
-    (4, 3, 128, config_lib.Config(tile_m=64, tile_n=64, wg_dimension=M.M,
-                                  max_concurrent_steps=2, num_sms=3)),
-    (4, 3, 256, config_lib.Config(tile_m=128, tile_n=64, max_concurrent_steps=2, num_sms=3)),
+# Last, Config.spread_stores at D = 2: each tile's stores (the own chunk's into the output, the
+# peer's into this rank's receive slot) leave during the CTA's next tile (8 tiles on 3 CTAs, 4
+# blocks each), the last one's at once.
+@pytest.mark.parametrize("d,rank,n,k,cfg", [
+    (4, 3, 128, 64, config_lib.Config(tile_m=64, tile_n=64, wg_dimension=M.M,
+                                      max_concurrent_steps=2, num_sms=3)),
+    (4, 3, 256, 64, config_lib.Config(tile_m=128, tile_n=64, max_concurrent_steps=2, num_sms=3)),
     # Rank 0 (no shared tile) and D = 2: ~6-12 s each in interpret mode on 2 CPU cores, the
     # slow layer (tests/conftest.py).
-    pytest.param(4, 0, 256, config_lib.Config(tile_m=128, tile_n=64, max_concurrent_steps=2,
-                                              num_sms=2), marks=pytest.mark.slow),
-    pytest.param(2, 1, 128, config_lib.Config(tile_m=64, tile_n=64, max_concurrent_steps=2,
-                                              num_sms=3), marks=pytest.mark.slow),
+    pytest.param(4, 0, 256, 64, config_lib.Config(tile_m=128, tile_n=64, max_concurrent_steps=2,
+                                                  num_sms=2), marks=pytest.mark.slow),
+    pytest.param(2, 1, 128, 64, config_lib.Config(tile_m=64, tile_n=64, max_concurrent_steps=2,
+                                                  num_sms=3), marks=pytest.mark.slow),
+    (2, 1, 256, 256, config_lib.Config(tile_m=64, tile_n=64, max_concurrent_steps=2, num_sms=3,
+                                       spread_stores=True)),
 ])
-def test_rank_alone_gemm_core_interpret(d, rank, n, cfg):
-  m, k = 256, 64
+def test_rank_alone_gemm_core_interpret(d, rank, n, k, cfg):
+  m = 256
+  cfg.check_shape(m=m, n=n, k_shard=k, num_devices=d)
   x, w = testing.generate(rank + 10 * d, m, k, n)
   assert cfg.chunk_group(m, d) == (2 if d == 4 else 1)
   params = interpret.InterpretGPUParams(uninitialized_memory="nan")
@@ -84,22 +90,3 @@ def test_rank_alone_gemm_core_interpret(d, rank, n, cfg):
   assert not np.isnan(out).any(), "an output tile was never written"
   assert np.max(np.abs(out - ref) / (np.abs(ref) + 1e-3 * np.abs(ref).max())) <= 2.0**-8 * 1.01
 
-
-# Config.spread_stores at D > 1, one rank alone ("neither"): each tile's stores (own chunk's
-# into the output, the peers' into this rank's receive slots) leave during the CTA's next tile
-# (8 tiles on 3 CTAs, 4 blocks each), the last one's at once; the own chunk checked.
-def test_rank_alone_spread_stores_interpret():
-  d, rank, m, k, n = 2, 1, 256, 256, 256
-  cfg = config_lib.Config(tile_m=64, tile_n=64, max_concurrent_steps=2, num_sms=3,
-                          spread_stores=True)
-  cfg.check_shape(m=m, n=n, k_shard=k, num_devices=d)
-  x, w = testing.generate(77, m, k, n)
-  params = interpret.InterpretGPUParams(uninitialized_memory="nan")
-  with interpret.force_gpu_interpret_mode(params):
-    out = fused.rank_alone(x, w, num_devices=d, rank=rank, config=cfg, ablate=("comm", "reduce"))
-  out = np.asarray(out.astype(jnp.float32))
-  chunk = slice(rank * m // d, (rank + 1) * m // d)
-  ref = (np.asarray(x, np.float32).astype(np.float64)[chunk]
-         @ np.asarray(w, np.float32).astype(np.float64))
-  assert not np.isnan(out).any(), "an output tile was never written"
-  assert np.max(np.abs(out - ref) / (np.abs(ref) + 1e-3 * np.abs(ref).max())) <= 2.0**-8 * 1.01
