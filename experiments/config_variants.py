@@ -35,9 +35,9 @@ def variant_config(base, name: str, num_devices: int = 2):
   remote steps interleaved tile by tile / one after the other: interleave_steps), pf / nopf
   (the next tile's blocks loaded during this tile's end: prefetch_tiles), ss / noss (a
   tile's stores spread over the next tile's k blocks: spread_stores, with deferred signals),
-  f32 / bf16 (partial dtype), ring (numerics mode "unfused_order"), gK (tile order: snake bands K tiles
-  wide, grid_tile_width), gm / gn (the bands' minor dimension M / N: grid_minor_dim); then
-  fitted to SMEM at `num_devices` (`config.fit_smem`; D = 1 has no partials' SMEM, so a
+  f32 / bf16 (partial dtype), ring (numerics mode "unfused_order"), gK (tile order: snake
+  bands K tiles wide, grid_tile_width), gm / gn (the bands' minor dimension M / N:
+  grid_minor_dim); then fitted to SMEM at `num_devices` (`config.fit_smem`; D = 1 has no partials' SMEM, so a
   pipeline that fits there alone stays as deep). "table" is accepted as a no-op (the base is
   the table's config)."""
   from pallas_rs.kernel import config as config_lib  # pylint: disable=g-import-not-at-top

@@ -16,8 +16,9 @@ the same arithmetic (fp32 accumulation, one rounding): "f32_astype", an fp32 pro
 (the benchmarks' form until 2026-12-06: XLA runs it as a Triton GEMM with the cast fused or
 as cuBLAS writing fp32 then a convert kernel), "plain",
 `jnp.dot(x, w)`. --ablations times each of ours also without stages (timing only: "store", the
-mainloop and the sub-tiles' SMEM writes; "gemm", the epilogue alone). Each function's kernels (CUPTI names) go into the JSON. JSON after every case
-under --out; a table last (time / XLA's dot).
+mainloop and the sub-tiles' SMEM writes; "gemm", the epilogue alone). Each function's kernels
+(CUPTI names) go into the JSON. JSON after every case under --out; a table last (time / XLA's
+dot).
 """
 from __future__ import annotations
 
@@ -197,7 +198,9 @@ def main(argv):
 
 
 def _ablated(label: str) -> bool:
-  return label.startswith("ours:") and ":no" in label
+  """Whether `label` is an --ablations variant ("ours:<variant>:no<set>"; a variant name has no
+  colon, though it may start with "no", as "nopf" does)."""
+  return label.startswith("ours:") and label.count(":") == 2
 
 
 def table(rows) -> str:

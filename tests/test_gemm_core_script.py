@@ -20,13 +20,13 @@ mod.jax_matmul = lambda hm, cfg: (
 """
 
 
-def _run(tmp_path, jax_configs, stand_ins, extra=()):
+def _run(tmp_path, jax_configs, stand_ins, extra=(), ours="table,t64x256_wm,t64x128"):
   """gemm_core.py on Mixtral o_proj at D = 8, M = 512 with our table / t64x256_wm / t64x128
   configs and `jax_configs`: (the process, its one JSON row)."""
   out = tmp_path / "gemm_core.json"
   proc = helpers.run_script_with_stand_ins(
       "gemm_core.py", ["--projections=mixtral8x22b_o_proj", "--ms=512", "--ds=8",
-                       "--ours=table,t64x256_wm,t64x128", f"--jax={jax_configs}",
+                       f"--ours={ours}", f"--jax={jax_configs}",
                        "--iterations=2", f"--out={out}", *extra],
       stand_ins=stand_ins, after_load=AFTER_LOAD)
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -88,8 +88,10 @@ fused.local_matmul = local_stand_in
 
 @pytest.mark.slow  # ~6 s on 2 CPU cores: the slow layer (tests/conftest.py).
 def test_gemm_core_ablated_variants_are_timed_not_judged(tmp_path):
-  proc, row = _run(tmp_path, "64x192_M_-", ABLATING_STAND_IN, ["--ablations=store,store+gemm"])
+  proc, row = _run(tmp_path, "64x192_M_-", ABLATING_STAND_IN, ["--ablations=store,store+gemm"],
+                   ours="table,t64x256_wm,nopf")
   ablated = {"ours:table:nostore", "ours:table:nostore+gemm", "ours:t64x256_wm:nostore"}
+  assert "ours:nopf" in row["max_rel_error"]  # a variant named "no...", checked as any other
   assert ablated <= set(row["times_us"]), sorted(row["times_us"])
   assert not ablated & set(row["max_rel_error"])  # wrong by design: not checked
   assert max(row["max_rel_error"].values()) < 2.0**-7  # (so nothing counts as a bad error)
