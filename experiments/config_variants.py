@@ -23,23 +23,22 @@ def tuned_config(*, m: int, k_shard: int, n: int, dtype, num_devices: int,
 
 
 def variant_config(base, name: str, num_devices: int = 2):
-  """The config of a variant name, "_"-separated tokens applied to `base`: v1 (as is: the
-  direct push), cN (N comm CTAs pushing), pN (N comm CTAs pulling), ow (no comm CTAs, the
-  owner's epilogue loads the staged partials: comm_mode "owner", no TMA add, the CTA tile's
-  warpgroups along N where they can be), oN (N epilogue SMEM
-  slots), tMxN (warpgroup tile M x N: tile_m, tile_n), wm / wn (the two warpgroup tiles side by
-  side along M / N: config.wg_dimension), sK (K pipeline steps), rK (K receive prefetch stages
-  of the owner's sum: recv_stages), eK (epilogue sub-tiles K columns wide), tadd (the owner's
-  sum by TMA add: tma_add; D = 2 in the ring's numerics, D > 2 with pN, ring or fp32 partials),
-  noadd (tma_add off), il / st (the
-  remote steps interleaved tile by tile / one after the other: interleave_steps), pf / nopf
-  (the next tile's blocks loaded during this tile's end: prefetch_tiles), ss / noss (a
-  tile's stores spread over the next tile's k blocks: spread_stores, with deferred signals),
-  f32 / bf16 (partial dtype), ring (numerics mode "unfused_order"), gK (tile order: snake
-  bands K tiles wide, grid_tile_width), gm / gn (the bands' minor dimension M / N:
-  grid_minor_dim); then fitted to SMEM at `num_devices` (`config.fit_smem`; D = 1 has no partials' SMEM, so a
-  pipeline that fits there alone stays as deep). "table" is accepted as a no-op (the base is
-  the table's config)."""
+  """The config of a variant name, "_"-separated tokens applied to `base`: v1 (as is: the direct
+  push), cN (N comm CTAs pushing), pN (N comm CTAs pulling), ow (no comm CTAs, the owner's
+  epilogue loads the staged partials: comm_mode "owner", no TMA add, the CTA tile's warpgroups
+  along N where they can be), oN (N epilogue SMEM slots), tMxN (warpgroup tile M x N: tile_m,
+  tile_n), wm / wn (the two warpgroup tiles side by side along M / N: config.wg_dimension), sK
+  (K pipeline steps), rK (K receive prefetch stages of the owner's sum: recv_stages), eK
+  (epilogue sub-tiles K columns wide), tadd (the owner's sum by TMA add: tma_add; D = 2 in the
+  ring's numerics, D > 2 with pN, ring or fp32 partials), noadd (tma_add off), il / st (the
+  remote steps interleaved tile by tile / one after the other: interleave_steps), pf / nopf (the
+  next tile's blocks loaded during this tile's end: prefetch_tiles), ss / noss (a tile's stores
+  spread over the next tile's k blocks: spread_stores, with deferred signals), f32 / bf16
+  (partial dtype), ring (numerics mode "unfused_order"), gK (tile order: snake bands K tiles
+  wide, grid_tile_width), gm / gn (the bands' minor dimension M / N: grid_minor_dim); then
+  fitted to SMEM at `num_devices` (`config.fit_smem`; D = 1 has no partials' SMEM, so a pipeline
+  that fits there alone stays as deep). "table" is accepted as a no-op (the base is the table's
+  config)."""
   from pallas_rs.kernel import config as config_lib  # pylint: disable=g-import-not-at-top
   cfg = base
   for token in name.split("_"):
