@@ -42,11 +42,9 @@ def _strided_count(start, stride, total):
   return jnp.maximum(total - start + stride - 1, 0) // stride
 
 
-def _strided_loop(start, stride, total, body):
-  """body(index, local_step) for index = start, start + stride, ... < total."""
-  count = _strided_count(start, stride, total)
+def _strided_loop(start, stride, count, body):
+  """body(index, local_step) for the first `count` of index = start, start + stride, ..."""
   lax.fori_loop(0, count, lambda i, c: (body(start + i * stride, i), c)[1], None)
-  return count
 
 
 def kernel_body(x_gmem, w_gmem, out_gmem, recv_gmem, stage_gmem=None, *,
@@ -185,6 +183,11 @@ def _compute_program(k: Rank, scoped: dict, cta_index, num_compute):
       # This warpgroup's part of the CTA's x and w blocks.
       wg_x = pl.ds(wg_idx * c.tile_m, c.tile_m) if k.wg_m else slice(None)
       wg_w = slice(None) if k.wg_m else pl.ds(wg_idx * c.tile_n, c.tile_n)
+      if k.spread:  # Where the previous tile goes: once a tile, not once a k block.
+        p_step, p_tile = k.walk(lin_idx - num_compute)
+        ((_, p_offset),) = k.parts(p_step, wg_idx)  # (no pairs: check_shape)
+        spread_prev = functools.partial(epi.spread_tile, p_step, p_tile, p_offset,
+                                        k.tile_slices(p_tile, wg_idx)[1])
 
       def compute_context(eval_pipeline):
         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((c.tile_m, c.tile_n), jnp.float32))
@@ -225,12 +228,8 @@ def _compute_program(k: Rank, scoped: dict, cta_index, num_compute):
         (block,) = indices  # This tile's k block.
         plgpu.wgmma(acc_ref, x_smem.at[wg_x], w_smem.at[:, wg_w])
         if k.spread:  # The previous tile's sub-tiles leave over this tile's blocks.
-          p_step, p_tile = k.walk(lin_idx - num_compute)
-          ((_, p_offset),) = k.parts(p_step, wg_idx)  # (no pairs: check_shape)
-          p_slices = k.tile_slices(p_tile, wg_idx)[1]
           for i, at in enumerate(_spread_steps(c.sub_tiles, blocks)):
-            pl.when((block == at) & (local_step > 0))(functools.partial(
-                epi.spread_tile, p_step, p_tile, p_offset, p_slices, i))
+            pl.when((block == at) & (local_step > 0))(functools.partial(spread_prev, i))
         plgpu.wgmma_wait(0)
         return acc_ref
 
@@ -250,8 +249,9 @@ def _compute_program(k: Rank, scoped: dict, cta_index, num_compute):
             allocations=pipeline_allocs,
         )
 
-    last_step = _strided_count(cta_index, num_compute, k.steps * k.tiles) - 1
-    count = _strided_loop(cta_index, num_compute, k.steps * k.tiles, tile_body)
+    count = _strided_count(cta_index, num_compute, k.steps * k.tiles)
+    last_step = count - 1
+    _strided_loop(cta_index, num_compute, count, tile_body)
     if c.prefetch_tiles and k.hooks.gemm:
       _quiesce_prefetch(k, pipeline_allocs, wg_idx, count)
     # Announce this CTA's last tile if it went to a peer with a deferred signal.

@@ -245,7 +245,7 @@ def spread_variants(base: Config, *, m: int, n: int, k_shard: int,
   deferred signals, as it needs), fitted to SMEM; left out where the kernel cannot take it
   (pairs). On one H100 it took 1-6% off a D = 8 rank's GEMM core, but its whole tile of SMEM
   cost the owner's receive stages there (that rank's program 3-8% slower); over NVLink, where
-  a push holds up the SM's next loads (docs/design.md section 8), it has not run."""
+  a push holds up the SM's next loads (docs/design.md section 7), it has not run."""
   on = not base.spread_stores
   flipped = dataclasses.replace(base, spread_stores=on,
                                 **({"eager_signal_steps": 0} if on else {}))
@@ -295,7 +295,7 @@ def search_space(*, m: int, n: int, k_shard: int, num_devices: int,
                         (0, 1, 2, 4, 8), (0, 8), (False, True))):
     if num_devices == 1 and (recv_stages != 1 or eager or comm or out_slots):
       continue
-    if spread and num_devices > 1:  # (Config.spread_stores runs at D = 1.)
+    if spread and num_devices > 1:  # (tried around a tuned config there: spread_variants)
       continue
     if tma_add and recv_stages != 2:  # (they allocate nothing: the same kernel)
       continue
