@@ -89,4 +89,3 @@ def test_rank_alone_gemm_core_interpret(d, rank, n, k, cfg):
          @ np.asarray(w, np.float32).astype(np.float64))
   assert not np.isnan(out).any(), "an output tile was never written"
   assert np.max(np.abs(out - ref) / (np.abs(ref) + 1e-3 * np.abs(ref).max())) <= 2.0**-8 * 1.01
-
