@@ -100,9 +100,7 @@ _TOKENS = (
         cfg, interleave_steps=match[0] == "il")),
     (r"pf|nopf", lambda cfg, match, lib: dataclasses.replace(
         cfg, prefetch_tiles=match[0] == "pf")),
-    (r"ss", lambda cfg, match, lib: dataclasses.replace(cfg, spread_stores=True,
-                                                         eager_signal_steps=0)),
-    (r"noss", lambda cfg, match, lib: dataclasses.replace(cfg, spread_stores=False)),
+    (r"ss|noss", lambda cfg, match, lib: lib.with_spread(cfg, match[0] == "ss")),
     (r"f32|bf16", lambda cfg, match, lib: lib.with_partial_dtype(
         cfg, "float32" if match[0] == "f32" else "bfloat16", 2)),
     (r"ring", lambda cfg, match, lib: lib.with_numerics(cfg, "unfused_order", 2)),

@@ -47,6 +47,12 @@ def test_variant_names(overlap_probe):
   assert overlap_probe.variant_config(g, "gn").grid_minor_dim.name == "N"
   assert overlap_probe.variant_config(base, "pf").prefetch_tiles
   assert not overlap_probe.variant_config(base, "pf_nopf").prefetch_tiles
+  # spread_stores runs with deferred signals (config.with_spread); "noss" leaves them as set.
+  eager = dataclasses.replace(base, eager_signal_steps=1)
+  ss = overlap_probe.variant_config(eager, "ss")
+  assert ss.spread_stores and ss.eager_signal_steps == 0 and ss.fits_smem(2)
+  noss = overlap_probe.variant_config(eager, "ss_noss")
+  assert not noss.spread_stores and noss.eager_signal_steps == 0
   # Fitted at the D asked: a 4-step 128 x 256 pipeline fits at D = 1 only.
   s4 = overlap_probe.variant_config(base, "noadd_t128x128_s4", num_devices=1)
   assert s4.max_concurrent_steps == 4

@@ -133,18 +133,12 @@ class Config:
       raise ValueError(f"{tile_n=} must be divisible by {epi_tile_n=}")
     if epi_tile_n % 8:
       raise ValueError(f"{epi_tile_n=} must be a multiple of 8 (16-byte TMA rows)")
-    if self.recv_stages < 1:
-      raise ValueError(f"recv_stages={self.recv_stages} must be >= 1")
-    if self.grid_tile_width < 1:
-      raise ValueError(f"grid_tile_width={self.grid_tile_width} must be >= 1")
-    if self.num_sms < 1:
-      raise ValueError(f"num_sms={self.num_sms} must be >= 1")
-    if self.eager_signal_steps < 0:
-      raise ValueError(f"eager_signal_steps={self.eager_signal_steps} must be >= 0")
     if self.out_slots < 0:
       raise ValueError(f"out_slots={self.out_slots} must be >= 0 (0: the default of 2)")
-    if self.comm_ctas < 0:
-      raise ValueError(f"comm_ctas={self.comm_ctas} must be >= 0")
+    for field, low in (("recv_stages", 1), ("grid_tile_width", 1), ("num_sms", 1),
+                       ("eager_signal_steps", 0), ("comm_ctas", 0)):
+      if getattr(self, field) < low:
+        raise ValueError(f"{field}={getattr(self, field)} must be >= {low}")
     if self.partial_dtype not in PARTIAL_DTYPES:
       raise ValueError(f"partial_dtype={self.partial_dtype!r} must be one of {PARTIAL_DTYPES}")
     if self.comm_mode not in COMM_MODES:
@@ -430,6 +424,11 @@ def with_prefetch(cfg: Config, k_shard: int) -> Config:
   default and the search space take it, never giving up pipeline depth for it (one H100: 2-10%
   faster at 12-16 blocks, 2 steps with it 0-21% slower than 3 without: docs/design.md 3)."""
   return dataclasses.replace(cfg, prefetch_tiles=cfg.prefetch_runs(k_shard))
+
+
+def with_spread(cfg: Config, on: bool) -> Config:
+  """`cfg` with spread_stores `on`, and then the deferred signals it runs with (check_shape)."""
+  return dataclasses.replace(cfg, spread_stores=on, **({"eager_signal_steps": 0} if on else {}))
 
 
 def fit_smem(cfg: Config, num_devices: int) -> Config:

@@ -246,9 +246,7 @@ def spread_variants(base: Config, *, m: int, n: int, k_shard: int,
   (pairs). On one H100 it took 1-6% off a D = 8 rank's GEMM core, but its whole tile of SMEM
   cost the owner's receive stages there (that rank's program 3-8% slower); over NVLink, where
   a push holds up the SM's next loads (docs/design.md section 7), it has not run."""
-  on = not base.spread_stores
-  flipped = dataclasses.replace(base, spread_stores=on,
-                                **({"eager_signal_steps": 0} if on else {}))
+  flipped = config_lib.with_spread(base, not base.spread_stores)
   return _fitting([base, flipped], m=m, n=n, k_shard=k_shard, num_devices=num_devices)
 
 
