@@ -94,3 +94,46 @@ def test_every_cited_module_path_exists():
       importlib.import_module(dotted)
     except ModuleNotFoundError:
       assert hasattr(importlib.import_module(head), attr), dotted
+
+
+_COUNT_COLLECTED = r"""
+import sys
+import pytest
+
+class Count:
+  def pytest_collection_finish(self, session):
+    slow = gpu = opt_in = fast = 0
+    for item in session.items:
+      if item.get_closest_marker("slow") is not None:
+        slow += 1
+        continue
+      fast += 1
+      if item.get_closest_marker("gpu") or item.get_closest_marker("multigpu"):
+        gpu += 1
+      elif any(m.args and m.args[0] for m in item.iter_markers("skipif")):
+        opt_in += 1
+    print(f"COUNTS {fast} {gpu} {opt_in} {slow}")
+
+sys.exit(pytest.main(["--collect-only", "-q", "--runslow", "-p", "no:cacheprovider", "tests"],
+                     plugins=[Count()]))
+"""
+
+
+def test_readme_test_counts_match_the_collection():
+  """The README's counts (fast layer: pass and skip on a CPU machine; the slow layer's size) are
+  those of the tests as collected: a test added or removed must update them."""
+  env = {k: v for k, v in os.environ.items()
+         if not k.startswith(("PALLAS_RS_", "PYTEST_")) and k != "JAX_PLATFORMS"}
+  env["PYTHONPATH"] = str(REPO)
+  res = subprocess.run([sys.executable, "-c", _COUNT_COLLECTED], capture_output=True, text=True,
+                       env=env, cwd=REPO, timeout=300, check=False)
+  assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+  (line,) = [l for l in res.stdout.splitlines() if l.startswith("COUNTS ")]
+  fast, gpu, opt_in, slow = map(int, line.split()[1:])
+  readme = " ".join((REPO / "README.md").read_text().split())
+  (passed, skipped, opt_in_words), = re.findall(
+      r"(\d+) pass, (\d+) skip: the gpu tests and (\w+) opt-in", readme)
+  assert (int(passed), int(skipped)) == (fast - gpu - opt_in, gpu + opt_in), (fast, gpu, opt_in)
+  assert opt_in_words == {1: "one", 2: "two", 3: "three"}.get(opt_in), (opt_in_words, opt_in)
+  (slow_readme,) = re.findall(r"further cases of paths the fast layer checks; (\d+) tests", readme)
+  assert int(slow_readme) == slow, (slow_readme, slow)
