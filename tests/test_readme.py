@@ -122,16 +122,15 @@ sys.exit(pytest.main(["--collect-only", "-q", "--runslow", "-p", "no:cacheprovid
 def test_readme_test_counts_match_the_collection():
   """The README's counts (fast layer: pass and skip on a CPU machine; the slow layer's size) are
   those of the tests as collected: a test added or removed must update them."""
-  env = {k: v for k, v in os.environ.items()
-         if not k.startswith(("PALLAS_RS_", "PYTEST_")) and k != "JAX_PLATFORMS"}
-  env["PYTHONPATH"] = str(REPO)
+  env = {k: v for k, v in os.environ.items() if not k.startswith(("PALLAS_RS_", "PYTEST_"))}
+  env.update(PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")  # the skipifs as on a CPU machine
   res = subprocess.run([sys.executable, "-c", _COUNT_COLLECTED], capture_output=True, text=True,
                        env=env, cwd=REPO, timeout=300, check=False)
   assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-  (line,) = [l for l in res.stdout.splitlines() if l.startswith("COUNTS ")]
+  (line,) = [out for out in res.stdout.splitlines() if out.startswith("COUNTS ")]
   fast, gpu, opt_in, slow = map(int, line.split()[1:])
   readme = " ".join((REPO / "README.md").read_text().split())
-  (passed, skipped, opt_in_words), = re.findall(
+  ((passed, skipped, opt_in_words),) = re.findall(
       r"(\d+) pass, (\d+) skip: the gpu tests and (\w+) opt-in", readme)
   assert (int(passed), int(skipped)) == (fast - gpu - opt_in, gpu + opt_in), (fast, gpu, opt_in)
   assert opt_in_words == {1: "one", 2: "two", 3: "three"}.get(opt_in), (opt_in_words, opt_in)
