@@ -24,10 +24,16 @@ def _run_readme_code(tmp_path, section: str) -> str:
   (code,) = re.findall(r"```python\n(.*?)```", _section(text, section), re.S)
   env = {k: v for k, v in os.environ.items() if k not in exports}
   env.update(exports)
-  env["PYTHONPATH"] = str(REPO)
+  return _run_python(code, env, tmp_path)
+
+
+def _run_python(code: str, env: dict[str, str], cwd) -> str:
+  """`code` run in a fresh interpreter with `env` (and PYTHONPATH the repository) in `cwd`; its
+  stdout, after checking that it exited 0."""
+  env = {**env, "PYTHONPATH": str(REPO)}
   res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                       cwd=tmp_path, timeout=300, check=False)
-  assert res.returncode == 0, res.stderr[-3000:]
+                       cwd=cwd, timeout=300, check=False)
+  assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
   return res.stdout
 
 
@@ -102,13 +108,14 @@ import pytest
 
 class Count:
   def pytest_collection_finish(self, session):
+    # After conftest's modifyitems: its `skip` markers are the gpu tests it skips here.
     slow = gpu = opt_in = fast = 0
     for item in session.items:
       if item.get_closest_marker("slow") is not None:
         slow += 1
         continue
       fast += 1
-      if item.get_closest_marker("gpu") or item.get_closest_marker("multigpu"):
+      if item.get_closest_marker("skip") is not None:
         gpu += 1
       elif any(m.args and m.args[0] for m in item.iter_markers("skipif")):
         opt_in += 1
@@ -123,11 +130,9 @@ def test_readme_test_counts_match_the_collection():
   """The README's counts (fast layer: pass and skip on a CPU machine; the slow layer's size) are
   those of the tests as collected: a test added or removed must update them."""
   env = {k: v for k, v in os.environ.items() if not k.startswith(("PALLAS_RS_", "PYTEST_"))}
-  env.update(PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")  # the skipifs as on a CPU machine
-  res = subprocess.run([sys.executable, "-c", _COUNT_COLLECTED], capture_output=True, text=True,
-                       env=env, cwd=REPO, timeout=300, check=False)
-  assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-  (line,) = [out for out in res.stdout.splitlines() if out.startswith("COUNTS ")]
+  env["JAX_PLATFORMS"] = "cpu"  # the skips as on a CPU machine, on any host
+  stdout = _run_python(_COUNT_COLLECTED, env, REPO)
+  (line,) = [out for out in stdout.splitlines() if out.startswith("COUNTS ")]
   fast, gpu, opt_in, slow = map(int, line.split()[1:])
   readme = " ".join((REPO / "README.md").read_text().split())
   ((passed, skipped, opt_in_words),) = re.findall(
