@@ -1,0 +1,86 @@
+"""The ping-pong GEMM core (pallas_rs.kernel.pingpong): its config's checks, its lowering for
+CUDA at issue 19's two misses, and its numerics in Mosaic GPU's interpret mode on CPU (every
+output element against an fp64 product, uninitialised memory poisoned to NaN)."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_rs.bench import testing
+from pallas_rs.kernel import pingpong
+
+PP = pingpong.PingPongConfig
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(tile_m=96), "tile_m"),
+    (dict(tile_n=96), "tile_n"),
+    (dict(tile_n=320), "tile_n"),
+    (dict(tile_m=128, tile_n=256), "accumulator"),
+    (dict(tile_k=32), "tile_k"),
+    (dict(stages=1), "stages"),
+    (dict(epi_tile_n=48), "epilogue"),
+    (dict(num_sms=0), "num_sms"),
+])
+def test_config_rejects(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    PP(**kwargs)
+
+
+def test_check_shape():
+  PP().check_shape(m=2048, n=8192, k=1024)
+  with pytest.raises(ValueError, match="multiples"):
+    PP().check_shape(m=2048 + 64, n=8192, k=1024)
+  with pytest.raises(ValueError, match="SMEM"):
+    PP(stages=7).check_shape(m=2048, n=8192, k=1024)  # 7 x 32 KB + the store slots
+  assert PP(stages=6).smem_bytes() == 6 * 32768 + 2 * 2 * 8192
+
+
+def test_matmul_rejects_bad_operands():
+  x = jnp.zeros((256, 128), jnp.bfloat16)
+  with pytest.raises(ValueError, match="bf16"):
+    pingpong.matmul(x, jnp.zeros((64, 128), jnp.bfloat16))
+  with pytest.raises(ValueError, match="bf16"):
+    pingpong.matmul(x.astype(jnp.float32), jnp.zeros((128, 128), jnp.float32))
+
+
+# Issue 19's misses: Llama-3 70B o_proj and Mixtral 8x22B o_proj at M = 2048, D = 8's k_shard.
+@pytest.mark.parametrize("m,k,n,cfg", [
+    (2048, 1024, 8192, PP(stages=6)),
+    (2048, 768, 6144, PP(stages=5, grid_minor_dim=pingpong.MatmulDimension.M,
+                         grid_tile_width=8)),
+    (2048, 768, 6144, PP(tile_m=64, tile_n=256, stages=4, epi_tile_n=128)),
+])
+def test_lowers_for_cuda(m, k, n, cfg):
+  sds = jax.ShapeDtypeStruct
+  exported = jax.export.export(jax.jit(functools.partial(pingpong.matmul, config=cfg)),
+                               platforms=["cuda"])(sds((m, k), jnp.bfloat16),
+                                                   sds((k, n), jnp.bfloat16))
+  assert "pallas_rs_pingpong_matmul" in exported.mlir_module()
+
+
+interpret = pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.params")
+
+
+# 15-20 s each in interpret mode on 2 CPU cores: the slow layer (tests/conftest.py).
+@pytest.mark.slow
+@pytest.mark.parametrize("m,k,n,cfg", [
+    # 24 tiles on 5 CTAs (5, 5, 5, 5 and 4: warpgroup 1 has one fewer on the last), 3 k blocks
+    # on a ring of 2 slots: a consumer skips an odd number of each slot's phases per tile.
+    (384, 192, 256, PP(tile_m=64, tile_n=64, stages=2, num_sms=5)),
+    # Two-row-block wgmma tiles, 4 tiles on 3 CTAs (one has a tile for warpgroup 1, two not),
+    # 4 blocks on 3 slots; the snake along M.
+    (256, 256, 256, PP(tile_m=128, tile_n=128, stages=3, num_sms=3,
+                       grid_minor_dim=pingpong.MatmulDimension.M, grid_tile_width=2)),
+])
+def test_matmul_interpret(m, k, n, cfg):
+  x, w = testing.generate(m + k + n, m, k, n)
+  with interpret.force_gpu_interpret_mode(interpret.InterpretGPUParams(uninitialized_memory="nan")):
+    out = pingpong.matmul(x, w, config=cfg)
+  out = np.asarray(out.astype(jnp.float32))
+  ref = np.asarray(x, np.float32).astype(np.float64) @ np.asarray(w, np.float32).astype(np.float64)
+  assert not np.isnan(out).any(), "an output tile was never written"
+  # One bf16 rounding of an fp32-accumulated product: |err| <= 2^-8 |value| (+ fp32 noise).
+  assert np.max(np.abs(out - ref) / (np.abs(ref) + 1e-3 * np.abs(ref).max())) <= 2.0**-8 * 1.01
