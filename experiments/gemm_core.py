@@ -60,11 +60,12 @@ _ABLATIONS = flags.DEFINE_list(
     "ablations", [], "Stage sets (rank.ABLATIONS joined by '+', e.g. store: no TMA stores) "
     "each --ours variant is also timed without, as 'ours:<variant>:no<set>'; timing only (the "
     "output is wrong): not checked, never the best.")
-# pallas_rs.kernel.pingpong tokens: p<tile_m>x<tile_n>_s<stages>[_e<epi_tile_n>][_m<w>|_n<w>]
-# (tile order: planar snake with minor dim M or N and tile width w; default N, 1).
+# pallas_rs.kernel.pingpong tokens: p<tile_m>x<tile_n>_s<stages>[_e<epi_tile_n>][_m<w>|_n<w>][_c2]
+# (tile order: planar snake with minor dim M or N and tile width w, default N, 1; _c2: clusters
+# of 2 CTAs along M sharing w's blocks by TMA multicast).
 _PINGPONG = flags.DEFINE_list("pingpong", [], "Ping-pong GEMM cores (pallas_rs.kernel.pingpong), "
-                              "e.g. p128x128_s6,p64x256_s4_m8.")
-_PP_TOKEN = re.compile(r"p(\d+)x(\d+)_s(\d+)(?:_e(\d+))?(?:_([mn])(\d+))?")
+                              "e.g. p128x128_s6,p64x256_s4_m8,p128x128_s6_c2.")
+_PP_TOKEN = re.compile(r"p(\d+)x(\d+)_s(\d+)(?:_e(\d+))?(?:_([mn])(\d+))?(?:_c(\d))?")
 _STEPS = flags.DEFINE_integer("steps", 4, "jax configs: pipeline steps (fit to SMEM down).")
 _ITERS = flags.DEFINE_integer("iterations", 50, "Timed iterations per variant.")
 _TIMING = flag_checks.TimingFlags(__name__, "a shape's variants")
@@ -98,12 +99,14 @@ def pingpong_config(token: str, num_sms: int):
   from pallas_rs.kernel import pingpong  # pylint: disable=g-import-not-at-top
   match = _PP_TOKEN.fullmatch(token)
   if not match:
-    raise ValueError(f"{token!r} is not p<tile_m>x<tile_n>_s<stages>[_e<n>][_m<w>|_n<w>]")
-  tm, tn, stages, epi_n, minor, width = match.groups()
+    raise ValueError(
+        f"{token!r} is not p<tile_m>x<tile_n>_s<stages>[_e<n>][_m<w>|_n<w>][_c<cluster_m>]")
+  tm, tn, stages, epi_n, minor, width, cluster = match.groups()
   order = {} if minor is None else dict(
       grid_minor_dim=pingpong.MatmulDimension[minor.upper()], grid_tile_width=int(width))
   return pingpong.PingPongConfig(tile_m=int(tm), tile_n=int(tn), stages=int(stages),
-                                 epi_tile_n=int(epi_n or 64), num_sms=num_sms, **order)
+                                 epi_tile_n=int(epi_n or 64), cluster_m=int(cluster or 1),
+                                 num_sms=num_sms, **order)
 
 
 def check_flags() -> None:
@@ -116,7 +119,7 @@ def check_flags() -> None:
   flag_checks.subset("xla", _XLA.value, sorted(XLA_FORMS))
   for token in _PINGPONG.value:
     try:
-      pingpong_config(token, 1)
+      pingpong_config(token, 2)
     except ValueError as e:
       raise app.UsageError(f"--pingpong: {e}") from e
   from pallas_rs.kernel import rank  # pylint: disable=g-import-not-at-top
@@ -241,9 +244,9 @@ def _ablated(label: str) -> bool:
 def table(rows) -> str:
   """Per row: XLA's median, the fastest config of ours, of jax's and of the ping-pong kernels'
   (--pingpong) among those whose output kept the rule (error <= 1.1x XLA's + 1e-6; a NaN error
-  or a missing XLA error does not), and how many were dropped from that pick: "bad err" (checked, over the rule), "failed" (did not
-  build or run); last, each --xla form's time / XLA's (the forms that kept the rule) and each
-  ablated variant's (--ablations)."""
+  or a missing XLA error does not), and how many were dropped from that pick: "bad err"
+  (checked, over the rule), "failed" (did not build or run); last, each --xla form's time /
+  XLA's (the forms that kept the rule) and each ablated variant's (--ablations)."""
   lines = [f"{'shape':26} {'D':>2} {'xla us':>7} {'best ours':>18} {'/xla':>6} "
            f"{'best jax':>16} {'/xla':>6} {'best pp':>18} {'/xla':>6} {'bad err':>7} "
            f"{'failed':>6} xla forms, ablated /xla"]

@@ -106,3 +106,38 @@ def test_gemm_core_rejects_an_unknown_ablation(tmp_path):
       "gemm_core.py", ["--ablations=mainloop", f"--out={tmp_path / 'g.json'}"],
       stand_ins=STAND_INS, after_load=AFTER_LOAD)
   assert proc.returncode != 0 and "mainloop" in proc.stderr, proc.stderr[-2000:]
+
+
+PINGPONG_STAND_IN = STAND_INS + """
+from pallas_rs.kernel import pingpong
+def pingpong_stand_in(x, w, *, config=None):
+  if config.stages == 3:  # fast and wrong
+    return jnp.zeros((x.shape[0], w.shape[1]), x.dtype)
+  return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+pingpong.matmul = pingpong_stand_in
+"""
+
+
+@pytest.mark.slow  # ~6 s on 2 CPU cores: the slow layer (tests/conftest.py).
+def test_gemm_core_pingpong_variants(tmp_path):
+  # (p128x256 is over the accumulator's registers: refused by the flag check, below.)
+  proc, row = _run(tmp_path, "", PINGPONG_STAND_IN,
+                   ["--pingpong=p128x128_s6,p64x256_s4_m8,p128x128_s3,p128x128_s6_c2"], ours="t64x256_wm")
+  assert row["configs"]["pp:p64x256_s4_m8"].startswith("PingPongConfig(tile_m=64, tile_n=256")
+  assert "grid_minor_dim=M, grid_tile_width=8" in row["configs"]["pp:p64x256_s4_m8"]
+  assert {"pp:p128x128_s6", "pp:p64x256_s4_m8", "pp:p128x128_s3",
+          "pp:p128x128_s6_c2"} <= set(row["times_us"])
+  assert "cluster_m=2" in row["configs"]["pp:p128x128_s6_c2"]
+  assert row["max_rel_error"]["pp:p128x128_s3"] == 1.0  # checked like the others
+  (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("mixtral8x22b_o_proj_m512 ")
+             and "D=" not in ln]
+  assert "best pp" in proc.stdout and "p128x128_s3" not in line, line
+  assert line.split()[-2:] == ["1", "0"], line  # bad err, failed
+
+
+@pytest.mark.parametrize("token", ["p128x256_s4", "q128x128_s6", "p128x128_s6_x8", "p128x128_s6_c3"])
+def test_gemm_core_rejects_a_bad_pingpong_token(tmp_path, token):
+  proc = helpers.run_script_with_stand_ins(
+      "gemm_core.py", [f"--pingpong={token}", f"--out={tmp_path / 'g.json'}"],
+      stand_ins=STAND_INS, after_load=AFTER_LOAD)
+  assert proc.returncode != 0 and "--pingpong" in proc.stderr, proc.stderr[-2000:]

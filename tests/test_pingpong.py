@@ -23,6 +23,8 @@ PP = pingpong.PingPongConfig
     (dict(stages=1), "stages"),
     (dict(epi_tile_n=48), "epilogue"),
     (dict(num_sms=0), "num_sms"),
+    (dict(cluster_m=4), "cluster_m"),
+    (dict(cluster_m=2, num_sms=133), "multiple of cluster_m"),
 ])
 def test_config_rejects(kwargs, match):
   with pytest.raises(ValueError, match=match):
@@ -36,6 +38,8 @@ def test_check_shape():
   with pytest.raises(ValueError, match="SMEM"):
     PP(stages=7).check_shape(m=2048, n=8192, k=1024)  # 7 x 32 KB + the store slots
   assert PP(stages=6).smem_bytes() == 6 * 32768 + 2 * 2 * 8192
+  with pytest.raises(ValueError, match="256 x 128"):  # a cluster's two 128-row tiles
+    PP(cluster_m=2).check_shape(m=128 * 3, n=8192, k=1024)
 
 
 def test_matmul_rejects_bad_operands():
@@ -52,6 +56,7 @@ def test_matmul_rejects_bad_operands():
     (2048, 768, 6144, PP(stages=5, grid_minor_dim=pingpong.MatmulDimension.M,
                          grid_tile_width=8)),
     (2048, 768, 6144, PP(tile_m=64, tile_n=256, stages=4, epi_tile_n=128)),
+    (2048, 1024, 8192, PP(stages=6, cluster_m=2)),  # w's blocks multicast to a CTA pair
 ])
 def test_lowers_for_cuda(m, k, n, cfg):
   sds = jax.ShapeDtypeStruct

@@ -13,8 +13,12 @@ released it, so the second warpgroup's blocks arrive as the first's mainloop fre
 Barriers: `full[wg, slot]` (TMA bytes landed; one set per consumer, because a waiter tracks
 its barrier's phase by counting its own waits, and a consumer skips the other's phases) and
 `consumed[slot]` (one arrival: the consumer that read it; the memory warpgroup waits on every
-phase). A probe for the fused body (body.py) to adopt if it measures faster: D = 1 only, no
-communication (experiments/gemm_core.py's `--pingpong`).
+phase). With `cluster_m` = 2 two CTAs (a cluster) take vertically adjacent tiles in lockstep
+and load each w block once, multicast into both (cluster TMA multicast: SM to SM on one GPU,
+not NVLink multicast), as cuBLAS's 2 x 1 clusters do: what the cooperative kernel's shared w
+block saved, back. `consumed` is then a cluster barrier: a slot is refilled once both CTAs'
+consumers read it. A probe for the fused body (body.py) to adopt if it measures faster: D = 1
+only, no communication (experiments/gemm_core.py's `--pingpong`).
 """
 from __future__ import annotations
 
@@ -49,7 +53,8 @@ class PingPongConfig:
     tile_k: k block of a pipeline slot (64: the 128-byte swizzle of bf16).
     stages: SMEM slots of the ring (x and w blocks), shared by the two consumers.
     epi_tile_m, epi_tile_n: a TMA store's sub-tile; two SMEM slots of it per consumer.
-    grid_minor_dim, grid_tile_width: tile order (`plgpu.planar_snake`).
+    grid_minor_dim, grid_tile_width: tile order (`plgpu.planar_snake`) of the clusters' tiles.
+    cluster_m: CTAs of a cluster, on vertically adjacent tiles, sharing w's blocks (1 or 2).
     num_sms: CTAs of the persistent grid.
   """
   tile_m: int = 128
@@ -60,6 +65,7 @@ class PingPongConfig:
   epi_tile_n: int = 64
   grid_minor_dim: MatmulDimension = MatmulDimension.N
   grid_tile_width: int = 1
+  cluster_m: int = 1
   num_sms: int = config_lib.DEFAULT_NUM_SMS
 
   def __post_init__(self):
@@ -77,6 +83,10 @@ class PingPongConfig:
     if self.tile_m % self.epi_tile_m or self.tile_n % self.epi_tile_n or self.epi_tile_n % 32:
       raise ValueError(f"epilogue sub-tile {self.epi_tile_m} x {self.epi_tile_n} must divide the "
                        f"tile {self.tile_m} x {self.tile_n} (columns a multiple of 32)")
+    if self.cluster_m not in (1, 2):
+      raise ValueError(f"cluster_m={self.cluster_m} must be 1 or 2")
+    if self.num_sms % self.cluster_m:
+      raise ValueError(f"num_sms={self.num_sms} must be a multiple of cluster_m={self.cluster_m}")
     if self.grid_tile_width < 1 or self.num_sms < 1:
       raise ValueError(f"grid_tile_width={self.grid_tile_width} and num_sms={self.num_sms} "
                        "must be >= 1")
@@ -89,9 +99,10 @@ class PingPongConfig:
 
   def check_shape(self, *, m: int, n: int, k: int) -> None:
     """ValueError for a GEMM these tiles do not divide, or a config over the SMEM."""
-    if m % self.tile_m or n % self.tile_n or k % self.tile_k:
-      raise ValueError(f"x [{m}, {k}] @ w [{k}, {n}]: m, n, k must be multiples of the tile "
-                       f"{self.tile_m} x {self.tile_n} x {self.tile_k}")
+    rows = self.tile_m * self.cluster_m
+    if m % rows or n % self.tile_n or k % self.tile_k:
+      raise ValueError(f"x [{m}, {k}] @ w [{k}, {n}]: m, n, k must be multiples of the "
+                       f"cluster's tile {rows} x {self.tile_n} x {self.tile_k}")
     if self.smem_bytes() > SMEM_BYTES:
       raise ValueError(f"{self.stages} stages of {self.tile_m} x {self.tile_n} tiles take "
                        f"{self.smem_bytes()} B of SMEM, over {SMEM_BYTES}")
@@ -108,16 +119,19 @@ def _kernel(x_gmem, w_gmem, out_gmem, x_smem, w_smem, out_smem, full, consumed, 
   c = config
   m, k = x_gmem.shape
   n = w_gmem.shape[1]
-  grid = (m // c.tile_m, n // c.tile_n)
+  grid = (m // (c.tile_m * c.cluster_m), n // c.tile_n)  # The clusters' tiles.
   blocks = k // c.tile_k
-  cta, num_ctas = lax.axis_index("cluster_grid"), lax.axis_size("cluster_grid")
+  cluster, num_clusters = lax.axis_index("cluster_grid"), lax.axis_size("cluster_grid")
   wg = lax.axis_index("wg")
-  count = jnp.maximum(grid[0] * grid[1] - cta + num_ctas - 1, 0) // num_ctas  # this CTA's
+  count = jnp.maximum(grid[0] * grid[1] - cluster + num_clusters - 1, 0) // num_clusters
+  shared_w = {} if c.cluster_m == 1 else dict(collective_axes="cluster")
 
   def tile_origin(local):
     """(row, column) of the CTA's `local`-th tile."""
-    m_idx, n_idx = plgpu.planar_snake(cta + local * num_ctas, grid, c.grid_minor_dim,
+    m_idx, n_idx = plgpu.planar_snake(cluster + local * num_clusters, grid, c.grid_minor_dim,
                                       c.grid_tile_width)
+    if c.cluster_m > 1:
+      m_idx = m_idx * c.cluster_m + lax.axis_index("cluster")
     return m_idx * c.tile_m, n_idx * c.tile_n
 
   @pl.when(wg == NUM_CONSUMERS)
@@ -141,7 +155,8 @@ def _kernel(x_gmem, w_gmem, out_gmem, x_smem, w_smem, out_smem, full, consumed, 
         ks = pl.ds(kk * c.tile_k, c.tile_k)
         landed = full.at[consumer * c.stages + slot]
         plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(row, c.tile_m), ks], x_smem.at[slot], landed)
-        plgpu.copy_gmem_to_smem(w_gmem.at[ks, pl.ds(col, c.tile_n)], w_smem.at[slot], landed)
+        plgpu.copy_gmem_to_smem(w_gmem.at[ks, pl.ds(col, c.tile_n)], w_smem.at[slot], landed,
+                                **shared_w)
 
     # Every slot's last use read before the exit (what jax's pipeline does at its end).
     steps = count * blocks
@@ -212,14 +227,17 @@ def matmul(x, w, *, config: PingPongConfig | None = None) -> jax.Array:
       plgpu.SMEM((NUM_CONSUMERS, 2, c.epi_tile_m, c.epi_tile_n), x.dtype,
                  transforms=_swizzled(c.epi_tile_n, x.dtype)),
       plgpu.Barrier(num_arrivals=2, num_barriers=NUM_CONSUMERS * c.stages),  # x's and w's
-      plgpu.Barrier(num_arrivals=1, num_barriers=c.stages),
+      plgpu.Barrier(num_arrivals=1, num_barriers=c.stages) if c.cluster_m == 1 else
+      plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=1, num_barriers=c.stages),
   ]
   f = plgpu.kernel(
       functools.partial(_kernel, config=c),
       out_type=jax.ShapeDtypeStruct((m, n), x.dtype),
       scratch_types=scratch,
-      grid=(c.num_sms,),
+      grid=(c.num_sms // c.cluster_m,),
       grid_names=("cluster_grid",),
+      cluster=(c.cluster_m,),
+      cluster_names=("cluster",),
       num_threads=NUM_CONSUMERS + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(
