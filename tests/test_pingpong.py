@@ -67,6 +67,8 @@ def test_lowers_for_cuda(m, k, n, cfg):
 
 
 interpret = pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.params")
+interpret_call = pytest.importorskip(
+    "jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call")
 
 
 # 15-20 s each in interpret mode on 2 CPU cores: the slow layer (tests/conftest.py).
@@ -81,9 +83,15 @@ interpret = pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.params")
                        grid_minor_dim=pingpong.MatmulDimension.M, grid_tile_width=2)),
 ])
 def test_matmul_interpret(m, k, n, cfg):
+  # The interpreter also fails a barrier protocol it can see broken (a phase completed again
+  # before a waiter saw it: e.g. a slot refilled before its consumer released it), and
+  # detect_races checks the SMEM accesses against the barriers' order.
   x, w = testing.generate(m + k + n, m, k, n)
-  with interpret.force_gpu_interpret_mode(interpret.InterpretGPUParams(uninitialized_memory="nan")):
+  params = interpret.InterpretGPUParams(uninitialized_memory="nan", detect_races=True)
+  with interpret.force_gpu_interpret_mode(params):
     out = pingpong.matmul(x, w, config=cfg)
+    out.block_until_ready()
+  assert not interpret_call.get_races().races_found
   out = np.asarray(out.astype(jnp.float32))
   ref = np.asarray(x, np.float32).astype(np.float64) @ np.asarray(w, np.float32).astype(np.float64)
   assert not np.isnan(out).any(), "an output tile was never written"
