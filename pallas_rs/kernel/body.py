@@ -31,7 +31,8 @@ from pallas_rs.kernel.rank import Rank
 _NUM_COMPUTE_WGS = schedule.NUM_COMPUTE_WGS
 
 
-def _swizzled(block_minor_elems: int, dtype) -> tuple:
+def swizzled(block_minor_elems: int, dtype) -> tuple:
+  """The TMA transforms of an SMEM block whose minor dimension has `block_minor_elems`."""
   itemsize = jnp.dtype(dtype).itemsize
   swizzle = plgpu.find_swizzle(block_minor_elems * itemsize * 8)
   return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
@@ -99,7 +100,7 @@ def _pipeline(k: Rank, pipeline_body, compute_context, state=None):
   (Config.prefetch_tiles): jax's pipeline of pipelines, whose memory warpgroup goes on into
   the CTA's next tile instead of draining at the end of this one."""
   c = k.config
-  in_transforms = _swizzled(c.operand_swizzle_cols, k.x.dtype)
+  in_transforms = swizzled(c.operand_swizzle_cols, k.x.dtype)
   return plgpu.emit_pipeline_warp_specialized(
       pipeline_body,
       grid=(k.x.shape[1] // c.tile_k,),
@@ -145,9 +146,9 @@ def _allocations(k: Rank) -> dict:
   scoped = dict(
       pipeline_allocs=_pipeline(k, ignore, ignore).get_allocations(k.x, k.w),
       out_smem=plgpu.SMEM((_NUM_COMPUTE_WGS, c.num_out_slots, *epi), out_dtype,
-                          transforms=_swizzled(c.epi_tile_n, out_dtype)),
+                          transforms=swizzled(c.epi_tile_n, out_dtype)),
   )
-  part_transforms = _swizzled(c.epi_tile_n, part_dtype)
+  part_transforms = swizzled(c.epi_tile_n, part_dtype)
   if d > 1 and not k.sum_in_output:
     scoped["part_smem"] = plgpu.SMEM((_NUM_COMPUTE_WGS, c.recv_stages, *epi), part_dtype,
                                      transforms=part_transforms)

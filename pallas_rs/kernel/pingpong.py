@@ -32,6 +32,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
 from pallas_rs.kernel import config as config_lib
+from pallas_rs.kernel.body import swizzled
 
 MatmulDimension = config_lib.MatmulDimension
 NUM_CONSUMERS = 2
@@ -106,12 +107,6 @@ class PingPongConfig:
     if self.smem_bytes() > SMEM_BYTES:
       raise ValueError(f"{self.stages} stages of {self.tile_m} x {self.tile_n} tiles take "
                        f"{self.smem_bytes()} B of SMEM, over {SMEM_BYTES}")
-
-
-def _swizzled(minor_elems: int, dtype) -> tuple:
-  itemsize = jnp.dtype(dtype).itemsize
-  swizzle = plgpu.find_swizzle(minor_elems * itemsize * 8)
-  return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
 def _kernel(x_gmem, w_gmem, out_gmem, x_smem, w_smem, out_smem, full, consumed, *,
@@ -220,12 +215,12 @@ def matmul(x, w, *, config: PingPongConfig | None = None) -> jax.Array:
   if k != k2 or x.dtype != w.dtype or jnp.dtype(x.dtype) != jnp.bfloat16:
     raise ValueError(f"x {x.shape} {x.dtype} @ w {w.shape} {w.dtype}: bf16 [m, k] @ [k, n]")
   c.check_shape(m=m, n=n, k=k)
-  operands = _swizzled(c.tile_k, x.dtype)
+  operands = swizzled(c.tile_k, x.dtype)
   scratch = [
       plgpu.SMEM((c.stages, c.tile_m, c.tile_k), x.dtype, transforms=operands),
       plgpu.SMEM((c.stages, c.tile_k, c.tile_n), x.dtype, transforms=operands),
       plgpu.SMEM((NUM_CONSUMERS, 2, c.epi_tile_m, c.epi_tile_n), x.dtype,
-                 transforms=_swizzled(c.epi_tile_n, x.dtype)),
+                 transforms=swizzled(c.epi_tile_n, x.dtype)),
       plgpu.Barrier(num_arrivals=2, num_barriers=NUM_CONSUMERS * c.stages),  # x's and w's
       plgpu.Barrier(num_arrivals=1, num_barriers=c.stages) if c.cluster_m == 1 else
       plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=1, num_barriers=c.stages),
