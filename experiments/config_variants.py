@@ -33,7 +33,8 @@ def variant_config(base, name: str, num_devices: int = 2):
   ring's numerics, D > 2 with pN, ring or fp32 partials), noadd (tma_add off), il / st (the
   remote steps interleaved tile by tile / one after the other: interleave_steps), pf / nopf (the
   next tile's blocks loaded during this tile's end: prefetch_tiles), ss / noss (a tile's stores
-  spread over the next tile's k blocks: spread_stores, with deferred signals), f32 / bf16
+  spread over the next tile's k blocks: spread_stores, with deferred signals), pp / nopp (the
+  two warpgroup tiles in turn through one SMEM ring: pingpong; pp turns pf and ss off), f32 / bf16
   (partial dtype), ring (numerics mode "unfused_order"), gK (tile order: snake bands K tiles
   wide, grid_tile_width), gm / gn (the bands' minor dimension M / N: grid_minor_dim); then
   fitted to SMEM at `num_devices` (`config.fit_smem`; D = 1 has no partials' SMEM, so a pipeline
@@ -101,6 +102,9 @@ _TOKENS = (
     (r"pf|nopf", lambda cfg, match, lib: dataclasses.replace(
         cfg, prefetch_tiles=match[0] == "pf")),
     (r"ss|noss", lambda cfg, match, lib: lib.with_spread(cfg, match[0] == "ss")),
+    (r"pp|nopp", lambda cfg, match, lib: dataclasses.replace(
+        cfg, pingpong=match[0] == "pp", **({"prefetch_tiles": False, "spread_stores": False}
+                                           if match[0] == "pp" else {}))),
     (r"f32|bf16", lambda cfg, match, lib: lib.with_partial_dtype(
         cfg, "float32" if match[0] == "f32" else "bfloat16", 2)),
     (r"ring", lambda cfg, match, lib: lib.with_numerics(cfg, "unfused_order", 2)),

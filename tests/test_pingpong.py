@@ -97,3 +97,77 @@ def test_matmul_interpret(m, k, n, cfg):
   assert not np.isnan(out).any(), "an output tile was never written"
   # One bf16 rounding of an fp32-accumulated product: |err| <= 2^-8 |value| (+ fp32 noise).
   assert np.max(np.abs(out - ref) / (np.abs(ref) + 1e-3 * np.abs(ref).max())) <= 2.0**-8 * 1.01
+
+
+# The fused body's ping-pong (Config.pingpong): the two warpgroup tiles of a CTA tile through
+# pingpong.Ring in turn, the epilogue and the protocol per warpgroup as in the cooperative body.
+from pallas_rs.kernel import config as config_lib  # noqa: E402
+from pallas_rs.kernel import fused  # noqa: E402
+
+MD = config_lib.MatmulDimension
+
+
+def test_config_pingpong_checks():
+  # 5 slots at D = 8 (6 at D = 1: the owner's receive stages take the sixth's SMEM).
+  cfg = config_lib.Config(pingpong=True, max_concurrent_steps=5)
+  cfg.check_shape(m=2048, n=8192, k_shard=1024, num_devices=8)
+  config_lib.Config(pingpong=True, max_concurrent_steps=6).check_shape(
+      m=2048, n=8192, k_shard=1024, num_devices=1)
+  # A ring slot holds one warpgroup tile's blocks: 32 KB where the CTA tile's are 48 KB.
+  assert (config_lib.Config(max_concurrent_steps=5).smem_bytes(8) - cfg.smem_bytes(8)
+          == 5 * 128 * 64 * 2)
+  for other in (dict(prefetch_tiles=True), dict(spread_stores=True)):
+    with pytest.raises(NotImplementedError, match="pingpong"):
+      config_lib.Config(pingpong=True, max_concurrent_steps=4, **other).check_shape(
+          m=2048, n=8192, k_shard=1024, num_devices=8)
+  with pytest.raises(NotImplementedError, match="pairs"):  # 64-row chunks under 128-row tiles
+    cfg.check_shape(m=512, n=8192, k_shard=1024, num_devices=8)
+
+
+@pytest.mark.parametrize("cfg", [
+    config_lib.Config(pingpong=True, max_concurrent_steps=5),
+    config_lib.Config(tile_m=64, tile_n=256, wg_dimension=MD.M, pingpong=True,
+                      max_concurrent_steps=4, tma_add=True, owner_sum="bf16_ring"),
+    config_lib.Config(pingpong=True, max_concurrent_steps=4, comm_ctas=8),
+])
+def test_fused_pingpong_lowers(cfg):
+  sds = jax.ShapeDtypeStruct
+  d = 2 if cfg.tma_add else 8
+  xs, ws = sds((d, 2048, 1024), jnp.bfloat16), sds((d, 1024, 8192), jnp.bfloat16)
+  lower = functools.partial(fused.loopback_matmul_reduce_scatter, config=cfg)
+  jax.export.export(jax.jit(lower), platforms=["cuda"])(xs, ws)
+  if d == 8:  # One rank of the NVLink kernel, without peers.
+    alone = functools.partial(fused.rank_alone, num_devices=d, config=cfg, ablate=("comm",))
+    jax.export.export(jax.jit(alone), platforms=["cuda"])(sds(xs.shape[1:], jnp.bfloat16),
+                                                          sds(ws.shape[1:], jnp.bfloat16))
+
+
+# 6-10 s each in interpret mode on 2 CPU cores: the slow layer but the first.
+@pytest.mark.parametrize("cfg,m,k,n,d,rank", [
+    # N split, 3 k blocks on 2 slots (odd phases skipped), 8 tiles on 3 CTAs.
+    (config_lib.Config(tile_m=64, tile_n=64, max_concurrent_steps=2, num_sms=3,
+                       pingpong=True), 256, 192, 256, 1, 0),
+    pytest.param(config_lib.Config(tile_m=64, tile_n=64, wg_dimension=MD.M, num_sms=5,
+                                   max_concurrent_steps=3, pingpong=True), 384, 128, 192, 1, 0,
+                 marks=pytest.mark.slow),
+    # One rank of D = 2 alone: the peer's chunk into its own receive slot, then its own chunk.
+    pytest.param(config_lib.Config(tile_m=64, tile_n=64, max_concurrent_steps=2, num_sms=3,
+                                   pingpong=True), 256, 256, 256, 2, 1, marks=pytest.mark.slow),
+])
+def test_fused_pingpong_interpret(cfg, m, k, n, d, rank):
+  x, w = testing.generate(m + k + d, m, k, n)
+  params = interpret.InterpretGPUParams(uninitialized_memory="nan", detect_races=True)
+  with interpret.force_gpu_interpret_mode(params):
+    if d == 1:
+      out = fused.local_matmul(x, w, config=cfg)
+    else:
+      out = fused.rank_alone(x, w, num_devices=d, rank=rank, config=cfg,
+                             ablate=("comm", "reduce"))
+    out.block_until_ready()
+  assert not interpret_call.get_races().races_found
+  out = np.asarray(out.astype(jnp.float32))
+  rows = slice(rank * m // d, (rank + 1) * m // d)
+  ref = (np.asarray(x, np.float32).astype(np.float64)[rows]
+         @ np.asarray(w, np.float32).astype(np.float64))
+  assert not np.isnan(out).any(), "an output tile was never written"
+  assert np.max(np.abs(out - ref) / (np.abs(ref) + 1e-3 * np.abs(ref).max())) <= 2.0**-8 * 1.01

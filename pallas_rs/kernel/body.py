@@ -22,6 +22,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
 from pallas_rs.kernel import comm as comm_lib
+from pallas_rs.kernel import pingpong
 from pallas_rs.kernel import schedule
 from pallas_rs.kernel.config import Config
 from pallas_rs.kernel.epilogue import Epilogue
@@ -29,13 +30,9 @@ from pallas_rs.kernel.rank import Hooks
 from pallas_rs.kernel.rank import Rank
 
 _NUM_COMPUTE_WGS = schedule.NUM_COMPUTE_WGS
-
-
-def swizzled(block_minor_elems: int, dtype) -> tuple:
-  """The TMA transforms of an SMEM block whose minor dimension has `block_minor_elems`."""
-  itemsize = jnp.dtype(dtype).itemsize
-  swizzle = plgpu.find_swizzle(block_minor_elems * itemsize * 8)
-  return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+# Registers a thread of the memory / compute warpgroups (jax's pipeline's split, memory 40).
+_MEMORY_REGISTERS = 40
+_COMPUTE_REGISTERS = 232
 
 
 def _strided_count(start, stride, total):
@@ -100,11 +97,11 @@ def _pipeline(k: Rank, pipeline_body, compute_context, state=None):
   (Config.prefetch_tiles): jax's pipeline of pipelines, whose memory warpgroup goes on into
   the CTA's next tile instead of draining at the end of this one."""
   c = k.config
-  in_transforms = swizzled(c.operand_swizzle_cols, k.x.dtype)
+  in_transforms = pingpong.swizzled(c.operand_swizzle_cols, k.x.dtype)
   return plgpu.emit_pipeline_warp_specialized(
       pipeline_body,
       grid=(k.x.shape[1] // c.tile_k,),
-      memory_registers=40,
+      memory_registers=_MEMORY_REGISTERS,
       in_specs=[
           plgpu.BlockSpec((c.cta_tile_m, c.tile_k), lambda kk: (0, kk),
                           transforms=in_transforms, memory_space=plgpu.SMEM),
@@ -144,11 +141,14 @@ def _allocations(k: Rank) -> dict:
   epi = (c.epi_tile_m, c.epi_tile_n)
   ignore = lambda *_, **__: None
   scoped = dict(
-      pipeline_allocs=_pipeline(k, ignore, ignore).get_allocations(k.x, k.w),
+      pipeline_allocs=(
+          pingpong.Ring.allocations(c.tile_m, c.tile_n, c.tile_k, c.max_concurrent_steps,
+                                    k.x.dtype, c.operand_swizzle_cols) if c.pingpong
+          else _pipeline(k, ignore, ignore).get_allocations(k.x, k.w)),
       out_smem=plgpu.SMEM((_NUM_COMPUTE_WGS, c.num_out_slots, *epi), out_dtype,
-                          transforms=swizzled(c.epi_tile_n, out_dtype)),
+                          transforms=pingpong.swizzled(c.epi_tile_n, out_dtype)),
   )
-  part_transforms = swizzled(c.epi_tile_n, part_dtype)
+  part_transforms = pingpong.swizzled(c.epi_tile_n, part_dtype)
   if d > 1 and not k.sum_in_output:
     scoped["part_smem"] = plgpu.SMEM((_NUM_COMPUTE_WGS, c.recv_stages, *epi), part_dtype,
                                      transforms=part_transforms)
@@ -177,9 +177,8 @@ def _compute_program(k: Rank, scoped: dict, cta_index, num_compute):
       # spread_stores: the CTA's last tile has no next one to spread its stores over.
       epi_t = dataclasses.replace(epi, last=local_step == last_step) if k.spread else epi
       step, tile = k.walk(lin_idx)
-      parts = k.parts(step, wg_idx)  # (rows, offset of their peer) of this warpgroup's tile
       first_dst = schedule.wg_dst(k.rank, step, 0, d, k.group)  # The tile's first chunk.
-      (m_idx, n_idx), slices = k.tile_slices(tile, wg_idx)
+      (m_idx, n_idx), _ = k.tile_slices(tile, wg_idx)
       cta_n_slice = pl.ds(n_idx * c.cta_tile_n, c.cta_tile_n)
       # This warpgroup's part of the CTA's x and w blocks.
       wg_x = pl.ds(wg_idx * c.tile_m, c.tile_m) if k.wg_m else slice(None)
@@ -195,35 +194,7 @@ def _compute_program(k: Rank, scoped: dict, cta_index, num_compute):
         def _acc_scope(acc_ref):
           with jax.named_scope("mainloop"):
             eval_pipeline(acc_ref)
-          # The previous tile's stores had this tile's whole mainloop to land.
-          plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-          epi.announce_deferred(lin_idx - num_compute, lambda: local_step > 0)
-
-          def part_acc(rows):
-            return (lambda: acc_ref[...]) if rows is None else (lambda: acc_ref[...][rows])
-
-          def own(rows, offset):
-            pl.when(offset == 0)(jax.named_scope("own_epilogue")(
-                lambda: epi_t.own(part_acc(rows), tile, slices)))
-
-          def remote(rows, offset):
-            if d > 1:
-              pl.when(offset != 0)(jax.named_scope("remote_epilogue")(
-                  lambda: epi_t.remote(part_acc(rows), step, tile, offset, slices)))
-
-          if not k.split_halves:
-            ((rows, offset),) = parts
-            own(rows, offset)
-            remote(rows, offset)
-            return
-          # Split halves: the remote ones first (the pair partner's own half waits for this
-          # warpgroup's remote half while this one's own half waits for the partner's), each
-          # half's sub-tiles starting again at SMEM slot 0 once the previous half's are read.
-          for i, (phase, (rows, offset)) in enumerate(
-              [(remote, part) for part in parts] + [(own, part) for part in parts]):
-            if i:
-              plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            phase(rows, offset)
+          _tile_epilogue(k, epi_t, acc_ref, lin_idx, local_step > 0, num_compute, wg_idx)
 
       def mma_body(indices, x_smem, w_smem, acc_ref):
         (block,) = indices  # This tile's k block.
@@ -252,7 +223,11 @@ def _compute_program(k: Rank, scoped: dict, cta_index, num_compute):
 
     count = _strided_count(cta_index, num_compute, k.steps * k.tiles)
     last_step = count - 1
-    _strided_loop(cta_index, num_compute, count, tile_body)
+    if c.pingpong:
+      _pingpong_tiles(k, epi, pingpong.Ring(*pipeline_allocs, c.max_concurrent_steps), wg_idx,
+                      cta_index, num_compute, count)
+    else:
+      _strided_loop(cta_index, num_compute, count, tile_body)
     if c.prefetch_tiles and k.hooks.gemm:
       _quiesce_prefetch(k, pipeline_allocs, wg_idx, count)
     # Announce this CTA's last tile if it went to a peer with a deferred signal.
@@ -262,3 +237,93 @@ def _compute_program(k: Rank, scoped: dict, cta_index, num_compute):
 
     if k.owner_pull and k.hooks.comm:
       epi.exit_handshake(cta_index, num_compute)
+
+
+def _tile_epilogue(k: Rank, epi: Epilogue, acc_ref, lin_idx, after_first, num_compute, wg_idx):
+  """After a warpgroup's mainloop of the tile at `lin_idx`: its previous tile's deferred
+  announcement (`after_first`: there was one), then the tile's own or remote epilogue."""
+  # The previous tile's stores had this tile's whole mainloop to land.
+  plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+  epi.announce_deferred(lin_idx - num_compute, lambda: after_first)
+  step, tile = k.walk(lin_idx)
+  parts = k.parts(step, wg_idx)  # (rows, offset of their peer) of this warpgroup's tile
+  slices = k.tile_slices(tile, wg_idx)[1]
+
+  def part_acc(rows):
+    return (lambda: acc_ref[...]) if rows is None else (lambda: acc_ref[...][rows])
+
+  def own(rows, offset):
+    pl.when(offset == 0)(jax.named_scope("own_epilogue")(
+        lambda: epi.own(part_acc(rows), tile, slices)))
+
+  def remote(rows, offset):
+    if k.d > 1:
+      pl.when(offset != 0)(jax.named_scope("remote_epilogue")(
+          lambda: epi.remote(part_acc(rows), step, tile, offset, slices)))
+
+  if not k.split_halves:
+    ((rows, offset),) = parts
+    own(rows, offset)
+    remote(rows, offset)
+    return
+  # Split halves: the remote ones first (the pair partner's own half waits for this
+  # warpgroup's remote half while this one's own half waits for the partner's), each
+  # half's sub-tiles starting again at SMEM slot 0 once the previous half's are read.
+  for i, (phase, (rows, offset)) in enumerate(
+      [(remote, part) for part in parts] + [(own, part) for part in parts]):
+    if i:
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    phase(rows, offset)
+
+
+def _pingpong_tiles(k: Rank, epi: Epilogue, ring, wg_idx, cta_index, num_compute, count):
+  """Config.pingpong: the CTA's `count` tiles (linear indices cta_index, +num_compute, ...),
+  each as its two warpgroup tiles in turn through `ring` (global step (2 t + wg) blocks + kk
+  for the CTA's t-th tile), so that one warpgroup's epilogue runs under the other's mainloop;
+  each warpgroup's epilogue as the cooperative kernel's (per warpgroup already)."""
+  c, d = k.config, k.d
+  blocks = k.x.shape[1] // c.tile_k
+  chunk = k.x.shape[0] // d
+
+  def operands(lin_idx, wg):
+    """Warpgroup wg's rows of x and columns of w for the tile at lin_idx (no pairs)."""
+    step, tile = k.walk(lin_idx)
+    (m_idx, n_idx), _ = k.tile_slices(tile, wg)
+    row = schedule.wg_dst(k.rank, step, 0, d, k.group) * chunk + m_idx * c.cta_tile_m
+    col = n_idx * c.cta_tile_n
+    row, col = (row + wg * c.tile_m, col) if k.wg_m else (row, col + wg * c.tile_n)
+    return k.x.at[pl.ds(row, c.tile_m)], k.w.at[:, pl.ds(col, c.tile_n)]
+
+  if k.hooks.gemm:
+    @pl.when(wg_idx == _NUM_COMPUTE_WGS)
+    def _memory():
+      plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
+
+      def tile(lin_idx, local_step):
+        for wg in range(_NUM_COMPUTE_WGS):
+          x_rows, w_cols = operands(lin_idx, wg)
+
+          @pl.loop(0, blocks)
+          def _block(kk, wg=wg, x_rows=x_rows, w_cols=w_cols):
+            ks = pl.ds(kk * c.tile_k, c.tile_k)
+            ring.load((_NUM_COMPUTE_WGS * local_step + wg) * blocks + kk, wg,
+                      x_rows.at[:, ks], w_cols.at[ks, :])
+
+      _strided_loop(cta_index, num_compute, count, tile)
+      ring.drain(_NUM_COMPUTE_WGS * count * blocks)
+
+  @pl.when(wg_idx < _NUM_COMPUTE_WGS)
+  def _consume():
+    if k.hooks.gemm:
+      plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
+
+    def tile(lin_idx, local_step):
+      @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((c.tile_m, c.tile_n), jnp.float32))
+      def _(acc_ref):
+        if k.hooks.gemm:
+          with jax.named_scope("mainloop"):
+            ring.mainloop(acc_ref, wg_idx, (_NUM_COMPUTE_WGS * local_step + wg_idx) * blocks,
+                          blocks)
+        _tile_epilogue(k, epi, acc_ref, lin_idx, local_step > 0, num_compute, wg_idx)
+
+    _strided_loop(cta_index, num_compute, count, tile)

@@ -93,6 +93,9 @@ class Config:
       leave one sub-tile per k block of the CTA's next tile (its last tile's at once), not all
       ahead of that tile's loads on the SM's TMA unit (docs/design.md section 3). D > 1: with
       deferred signals and no pairs (check_shape); own tiles TMA-added with tma_add at once.
+    pingpong: the two warpgroup tiles of a CTA tile computed in turn through one ring of
+      max_concurrent_steps SMEM slots, so one's epilogue runs under the other's mainloop
+      (pingpong.py, docs/design.md 3.7); not with pairs, prefetch_tiles or spread_stores.
   """
   tile_m: int = 128
   tile_n: int = 128
@@ -115,6 +118,7 @@ class Config:
   interleave_steps: bool = False
   prefetch_tiles: bool = False
   spread_stores: bool = False
+  pingpong: bool = False
 
   def __post_init__(self):
     tile_m, tile_n, tile_k = self.tile_m, self.tile_n, self.tile_k
@@ -229,20 +233,17 @@ class Config:
 
   @property
   def operand_swizzle_cols(self) -> int:
-    """bf16 columns of the x and w blocks' SMEM swizzle tile: 64 (the 128 B swizzle) where
-    tile_n is a multiple of 64, else 32 (64 B). w's block splits between the warpgroups at
-    column tile_n, on a swizzle tile, and wgmma takes both operands with one swizzle: a
-    96-column warpgroup tile (a 128 x 192 CTA tile split along N) lowers only with 64 B."""
+    """bf16 columns of the x and w blocks' SMEM swizzle tile: 64 (128 B) where tile_n is a
+    multiple of 64, else 32 (64 B): w's block splits between the warpgroups at column tile_n,
+    and wgmma takes both operands with one swizzle (a 96-column tile lowers only with 64 B)."""
     return 64 if self.tile_n % 64 == 0 else 32
 
   def pipeline_slots(self, k_shard: int) -> int:
-    """The depth jax's pipeline runs over k_shard: max_concurrent_steps, cut to the k_shard's
-    blocks of tile_k where there are fewer (its slots, allocated and waited on)."""
+    """The depth jax's pipeline runs over k_shard: max_concurrent_steps, or its blocks if fewer."""
     return min(self.max_concurrent_steps, k_shard // self.tile_k)
 
   def prefetch_runs(self, k_shard: int) -> bool:
-    """Whether prefetch_tiles can run over k_shard: its blocks of tile_k a multiple of the
-    pipeline depth (jax's pipeline of pipelines keeps its slots in step from tile to tile)."""
+    """Whether prefetch_tiles can run: k_shard's blocks a multiple of the pipeline depth."""
     blocks = k_shard // self.tile_k
     return blocks > 0 and blocks % self.pipeline_slots(k_shard) == 0
 
@@ -252,9 +253,8 @@ class Config:
 
   @property
   def comm_rows(self) -> int:
-    """Rows of one comm copy (a row block of a warpgroup tile): at most COMM_COPY_BYTES, the
-    size at which one SM's TMA loads from a peer reach its full rate with 4 in flight
-    (docs/design.md section 3.2)."""
+    """Rows of one comm copy (a row block of a warpgroup tile): at most COMM_COPY_BYTES, where
+    one SM's TMA loads from a peer reach their full rate with 4 in flight (design 3.2)."""
     rows = self.tile_m
     while rows > 8 and rows * self.tile_n * self.partial_itemsize > COMM_COPY_BYTES:
       rows //= 2
@@ -267,12 +267,15 @@ class Config:
   @property
   def comm_buffer_sets(self) -> int:
     """SMEM buffers per comm warpgroup (one comm copy each): as many as fit, 1 to 4."""
-    copy = self._comm_copy_bytes
-    return next((s for s in (4, 3, 2) if 2 * s * copy + SMEM_SLACK_BYTES <= SMEM_LIMIT_BYTES), 1)
+    fits = lambda s: 2 * s * self._comm_copy_bytes + SMEM_SLACK_BYTES <= SMEM_LIMIT_BYTES
+    return next((s for s in (4, 3, 2) if fits(s)), 1)
 
   def smem_bytes(self, num_devices: int, itemsize: int = 2) -> int:
-    """Shared memory of a compute CTA, as body._allocations allocates it (plus a fixed slack)."""
-    pipeline = (self.cta_tile_m + self.cta_tile_n) * self.tile_k * self.max_concurrent_steps
+    """Shared memory of a compute CTA, as body._allocations allocates it (plus a fixed slack):
+    a pipeline slot holds the CTA tile's x and w blocks, or (pingpong) a warpgroup tile's."""
+    rows, cols = ((self.tile_m, self.tile_n) if self.pingpong
+                  else (self.cta_tile_m, self.cta_tile_n))
+    pipeline = (rows + cols) * self.tile_k * self.max_concurrent_steps
     epi = self.epi_tile_m * self.epi_tile_n
     total = (pipeline + 2 * self.num_out_slots * epi) * itemsize
     if num_devices > 1:
@@ -289,8 +292,7 @@ class Config:
     return 2 * self.comm_buffer_sets * self._comm_copy_bytes + SMEM_SLACK_BYTES
 
   def fits_smem(self, num_devices: int, limit: int = SMEM_LIMIT_BYTES) -> bool:
-    comm = self.comm_smem_bytes() if num_devices > 1 else 0
-    return max(self.smem_bytes(num_devices), comm) <= limit
+    return max(self.smem_bytes(num_devices), self.comm_smem_bytes() * (num_devices > 1)) <= limit
 
   def check_shape(self, *, m: int, n: int, k_shard: int, num_devices: int,
                   loopback: bool = False) -> None:
@@ -335,6 +337,11 @@ class Config:
           "spread_stores at D > 1 runs with deferred signals and a CTA tile within one "
           f"{chunk}-row chunk, got eager_signal_steps={self.eager_signal_steps}, "
           f"tile_m={self.tile_m}, wg_dimension={self.wg_dimension.name}")
+    if self.pingpong and (self.prefetch_tiles or self.spread_stores
+                          or self.chunk_group(m, num_devices) == 2):
+      raise NotImplementedError(  # Its ring runs on from tile to tile; pairs share stages.
+          "pingpong runs without prefetch_tiles, spread_stores and pairs (a CTA tile over two "
+          f"{chunk}-row chunks), got {self.prefetch_tiles}, {self.spread_stores}, {self}")
     if self.tile_n % 32:
       raise NotImplementedError(
           f"tile_n={self.tile_n} must be a multiple of 32: the x and w blocks take the 128 B "
@@ -359,11 +366,9 @@ BOOL_FIELDS = tuple(f.name for f in dataclasses.fields(Config) if f.type in ("bo
 
 def tma_add_runs(num_devices: int, owner_sum: str, comm_ctas: int = 0,
                  comm_mode: str = "push", partial_dtype: str = "bfloat16") -> bool:
-  """Whether the TMA add (Config.tma_add) can run: in the ring's numerics at D = 2 (the default
-  there: 2-5 us less alone at small M), and with pulling comm CTAs at D > 2, which add the
-  partials in ring order, bf16 into the output or fp32 partials into one receive slot
-  (2-11% faster in loopback where the owner's tail dominates); the same bits (BUILD_NOTES
-  2026-12-01)."""
+  """Whether the TMA add (Config.tma_add) can run: in the ring's numerics at D = 2 (2-5 us less
+  alone at small M), and with pulling comm CTAs at D > 2, which add in ring order, bf16 into the
+  output or fp32 into one receive slot (2-11% faster in loopback); same bits (BUILD_NOTES 12-01)."""
   pulled = num_devices > 2 and comm_ctas > 0 and comm_mode == "pull"
   if owner_sum == "bf16_ring":
     return comm_mode != "owner" and (num_devices == 2 or pulled)
@@ -371,9 +376,8 @@ def tma_add_runs(num_devices: int, owner_sum: str, comm_ctas: int = 0,
 
 
 def nvlink_has_run(tile_n: int, wg_dimension, tma_add: bool, num_devices: int) -> bool:
-  """Whether warpgroup tiles like these have run over NVLink (fused.nvlink_unverified says why
-  the others are refused): anything at D = 1 (no NVLink) or with the TMA add; without it, tiles
-  side by side along N of at most 128 columns."""
+  """Whether warpgroup tiles like these have run over NVLink (fused.nvlink_unverified): any at
+  D = 1 or with the TMA add; without it, tiles side by side along N of at most 128 columns."""
   return (num_devices == 1 or tma_add
           or (MatmulDimension(wg_dimension) == MatmulDimension.N and tile_n <= 128))
 
@@ -408,9 +412,8 @@ def with_tile(cfg: Config, tile_m: int, tile_n: int, wg_dimension=None) -> Confi
 
 
 def with_wg_along_n(cfg: Config) -> Config:
-  """`cfg` with the same CTA tile, its two warpgroup tiles side by side along N (what NVLink
-  runs without the TMA add: fused.nvlink_unverified); NotImplementedError where half the CTA
-  tile's columns are not a multiple of 64."""
+  """`cfg` with the same CTA tile split along N (what NVLink runs without the TMA add:
+  fused.nvlink_unverified); NotImplementedError where half its columns are not 64-aligned."""
   if cfg.wg_dimension == MatmulDimension.N:
     return cfg
   if not wg_split_aligned(cfg.cta_tile_n // 2, MatmulDimension.N):
@@ -432,9 +435,8 @@ def with_spread(cfg: Config, on: bool) -> Config:
 
 
 def fit_smem(cfg: Config, num_devices: int) -> Config:
-  """`cfg` with the receive prefetch shortened (down to 1 stage), then the pipeline (down to 2
-  steps), until it fits SMEM; unchanged if it already does (the caller checks the result).
-  The pipeline goes last: its depth feeds the tensor cores on every tile."""
+  """`cfg` with the receive prefetch shortened (to 1 stage), then the pipeline (to 2 steps: its
+  depth feeds the tensor cores on every tile), until it fits SMEM (the caller checks it)."""
   while not cfg.fits_smem(num_devices) and cfg.recv_stages > 1:
     cfg = dataclasses.replace(cfg, recv_stages=cfg.recv_stages - 1)
   while not cfg.fits_smem(num_devices) and cfg.max_concurrent_steps > 2:
@@ -443,7 +445,6 @@ def fit_smem(cfg: Config, num_devices: int) -> Config:
 
 
 def epi_tile_n_for(tile_n: int, partial_dtype: str) -> int:
-  """Epilogue sub-tile columns for `partial_dtype` partials (also the tuner's search space):
-  fp32 sub-tiles of 64 x 32 take the SMEM of bf16 64 x 64 ones; narrower where they would not
-  divide tile_n (96: 32)."""
+  """Epilogue sub-tile columns for `partial_dtype` partials (and the tuner's): fp32 64 x 32 take
+  the SMEM of bf16 64 x 64; narrower where they would not divide tile_n (96: 32)."""
   return math.gcd(32 if partial_dtype == "float32" else 64, tile_n)

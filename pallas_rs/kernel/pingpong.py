@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 from jax import lax
@@ -32,7 +33,6 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
 from pallas_rs.kernel import config as config_lib
-from pallas_rs.kernel.body import swizzled
 
 MatmulDimension = config_lib.MatmulDimension
 NUM_CONSUMERS = 2
@@ -42,6 +42,69 @@ _CONSUMER_REGISTERS = 232
 # ping-pong tiles, 128 x 128 and 64 x 256), the rest for addresses and the epilogue's cast.
 _MAX_ACC_ELEMENTS = 128 * 128
 SMEM_BYTES = 232448  # sharedMemPerBlockOptin on H100 and H200 (227 KiB)
+
+
+def swizzled(block_minor_elems: int, dtype) -> tuple:
+  """The TMA transforms of an SMEM block whose minor dimension has `block_minor_elems`."""
+  itemsize = jnp.dtype(dtype).itemsize
+  swizzle = plgpu.find_swizzle(block_minor_elems * itemsize * 8)
+  return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+@dataclasses.dataclass(frozen=True)
+class Ring:
+  """The SMEM ring of a ping-pong kernel: `stages` slots of x blocks [tile_m, tile_k] and w
+  blocks [tile_k, tile_n], `full` [consumers * stages] and `consumed` [stages] barriers. Global
+  k step g (the CTA's tiles in order, each tile's blocks in order) uses slot g % stages."""
+  x: Any
+  w: Any
+  full: Any
+  consumed: Any
+  stages: int
+
+  @staticmethod
+  def allocations(tile_m, tile_n, tile_k, stages, dtype, swizzle_cols, cluster: bool = False):
+    """The ring's scoped allocations (pl.run_scoped / scratch), in Ring's field order."""
+    operands = swizzled(swizzle_cols, dtype)
+    consumed = (plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=1,
+                                     num_barriers=stages) if cluster else
+                plgpu.Barrier(num_arrivals=1, num_barriers=stages))
+    return (plgpu.SMEM((stages, tile_m, tile_k), dtype, transforms=operands),
+            plgpu.SMEM((stages, tile_k, tile_n), dtype, transforms=operands),
+            plgpu.Barrier(num_arrivals=2, num_barriers=NUM_CONSUMERS * stages),  # x's and w's
+            consumed)
+
+  def load(self, step, consumer, x_src, w_src, **w_copy):
+    """The memory warpgroup's step `step` for `consumer`: once the slot's previous user (step
+    - stages) has read it, TMA x_src [tile_m, tile_k] and w_src [tile_k, tile_n] into it."""
+    slot = step % self.stages
+    pl.when(step >= self.stages)(lambda: plgpu.barrier_wait(self.consumed.at[slot]))
+    landed = self.full.at[consumer * self.stages + slot]
+    plgpu.copy_gmem_to_smem(x_src, self.x.at[slot], landed)
+    plgpu.copy_gmem_to_smem(w_src, self.w.at[slot], landed, **w_copy)
+
+  def drain(self, steps):
+    """After the memory warpgroup's last of `steps` loads: every slot's last use read before
+    the exit (what jax's pipeline does at its end; a cluster's peer still writes into it)."""
+    for back in range(self.stages, 0, -1):
+      pl.when(steps >= back)(lambda back=back: plgpu.barrier_wait(
+          self.consumed.at[(steps - back) % self.stages]))
+
+  def mainloop(self, acc, consumer, first, blocks):
+    """A consumer's tile: global steps first .. first + blocks - 1 into `acc`, a wgmma in
+    flight while the next block's wait runs; a slot is released once the wgmma that read it
+    is done."""
+    @pl.loop(0, blocks)
+    def _block(kk):
+      slot = (first + kk) % self.stages
+      plgpu.barrier_wait(self.full.at[consumer * self.stages + slot])
+      plgpu.wgmma(acc, self.x.at[slot], self.w.at[slot])
+      plgpu.wgmma_wait(1)
+      pl.when(kk > 0)(lambda: plgpu.barrier_arrive(
+          self.consumed.at[(first + kk - 1) % self.stages]))
+
+    plgpu.wgmma_wait(0)
+    plgpu.barrier_arrive(self.consumed.at[(first + blocks - 1) % self.stages])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,9 +172,10 @@ class PingPongConfig:
                        f"{self.smem_bytes()} B of SMEM, over {SMEM_BYTES}")
 
 
-def _kernel(x_gmem, w_gmem, out_gmem, x_smem, w_smem, out_smem, full, consumed, *,
+def _kernel(x_gmem, w_gmem, out_gmem, x_smem, w_smem, full, consumed, out_smem, *,
             config: PingPongConfig):
   c = config
+  ring = Ring(x_smem, w_smem, full, consumed, c.stages)
   m, k = x_gmem.shape
   n = w_gmem.shape[1]
   grid = (m // (c.tile_m * c.cluster_m), n // c.tile_n)  # The clusters' tiles.
@@ -136,28 +200,14 @@ def _kernel(x_gmem, w_gmem, out_gmem, x_smem, w_smem, out_smem, full, consumed, 
     @pl.loop(0, count)
     def _tile(local):
       row, col = tile_origin(local)
-      consumer = local % NUM_CONSUMERS
 
       @pl.loop(0, blocks)
       def _block(kk):
-        step = local * blocks + kk
-        slot = step % c.stages
-
-        @pl.when(step >= c.stages)
-        def _():  # The slot's previous user (step - stages) has read it.
-          plgpu.barrier_wait(consumed.at[slot])
-
         ks = pl.ds(kk * c.tile_k, c.tile_k)
-        landed = full.at[consumer * c.stages + slot]
-        plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(row, c.tile_m), ks], x_smem.at[slot], landed)
-        plgpu.copy_gmem_to_smem(w_gmem.at[ks, pl.ds(col, c.tile_n)], w_smem.at[slot], landed,
-                                **shared_w)
+        ring.load(local * blocks + kk, local % NUM_CONSUMERS, x_gmem.at[pl.ds(row, c.tile_m), ks],
+                  w_gmem.at[ks, pl.ds(col, c.tile_n)], **shared_w)
 
-    # Every slot's last use read before the exit (what jax's pipeline does at its end).
-    steps = count * blocks
-    for back in range(c.stages, 0, -1):
-      pl.when(steps >= back)(lambda back=back: plgpu.barrier_wait(
-          consumed.at[(steps - back) % c.stages]))
+    ring.drain(count * blocks)
 
   @pl.when(wg < NUM_CONSUMERS)
   def _consume():
@@ -170,29 +220,11 @@ def _kernel(x_gmem, w_gmem, out_gmem, x_smem, w_smem, out_smem, full, consumed, 
 
       @functools.partial(pl.run_scoped, acc=plgpu.ACC((c.tile_m, c.tile_n), jnp.float32))
       def _(acc):
-        _mainloop(c, acc, x_smem, w_smem, full, consumed, wg, local * blocks, blocks)
+        ring.mainloop(acc, wg, local * blocks, blocks)
         _epilogue(c, acc[...].astype(out_gmem.dtype), out_smem.at[wg],
                   out_gmem.at[pl.ds(row, c.tile_m), pl.ds(col, c.tile_n)])
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-
-def _mainloop(c: PingPongConfig, acc, x_smem, w_smem, full, consumed, wg, first, blocks):
-  """One tile's k blocks (global steps first .. first + blocks - 1): a wgmma in flight while
-  the next block's wait runs; a slot is released once the wgmma that read it is done."""
-  @pl.loop(0, blocks)
-  def _block(kk):
-    slot = (first + kk) % c.stages
-    plgpu.barrier_wait(full.at[wg * c.stages + slot])
-    plgpu.wgmma(acc, x_smem.at[slot], w_smem.at[slot])
-    plgpu.wgmma_wait(1)
-
-    @pl.when(kk > 0)
-    def _():
-      plgpu.barrier_arrive(consumed.at[(first + kk - 1) % c.stages])
-
-  plgpu.wgmma_wait(0)
-  plgpu.barrier_arrive(consumed.at[(first + blocks - 1) % c.stages])
 
 
 def _epilogue(c: PingPongConfig, tile, slots, out_tile):
@@ -215,15 +247,11 @@ def matmul(x, w, *, config: PingPongConfig | None = None) -> jax.Array:
   if k != k2 or x.dtype != w.dtype or jnp.dtype(x.dtype) != jnp.bfloat16:
     raise ValueError(f"x {x.shape} {x.dtype} @ w {w.shape} {w.dtype}: bf16 [m, k] @ [k, n]")
   c.check_shape(m=m, n=n, k=k)
-  operands = swizzled(c.tile_k, x.dtype)
   scratch = [
-      plgpu.SMEM((c.stages, c.tile_m, c.tile_k), x.dtype, transforms=operands),
-      plgpu.SMEM((c.stages, c.tile_k, c.tile_n), x.dtype, transforms=operands),
+      *Ring.allocations(c.tile_m, c.tile_n, c.tile_k, c.stages, x.dtype, c.tile_k,
+                        cluster=c.cluster_m > 1),
       plgpu.SMEM((NUM_CONSUMERS, 2, c.epi_tile_m, c.epi_tile_n), x.dtype,
                  transforms=swizzled(c.epi_tile_n, x.dtype)),
-      plgpu.Barrier(num_arrivals=2, num_barriers=NUM_CONSUMERS * c.stages),  # x's and w's
-      plgpu.Barrier(num_arrivals=1, num_barriers=c.stages) if c.cluster_m == 1 else
-      plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=1, num_barriers=c.stages),
   ]
   f = plgpu.kernel(
       functools.partial(_kernel, config=c),
