@@ -171,3 +171,14 @@ def test_fused_pingpong_interpret(cfg, m, k, n, d, rank):
          @ np.asarray(w, np.float32).astype(np.float64))
   assert not np.isnan(out).any(), "an output tile was never written"
   assert np.max(np.abs(out - ref) / (np.abs(ref) + 1e-3 * np.abs(ref).max())) <= 2.0**-8 * 1.01
+
+
+def test_fused_pingpong_refused_over_nvlink_until_run_there():
+  cfg = config_lib.Config(pingpong=True, max_concurrent_steps=5)
+  assert "pingpong" in fused.nvlink_unverified(cfg, 8)
+  assert fused.nvlink_unverified(cfg, 1) is None
+  with pytest.raises(NotImplementedError, match="pingpong"):
+    fused.check_supported(m=2048, k_shard=1024, n=8192, dtype=jnp.bfloat16, num_devices=8,
+                          config=cfg)
+  fused.check_supported(m=2048, k_shard=1024, n=8192, dtype=jnp.bfloat16, num_devices=8,
+                        config=cfg, loopback=True)
