@@ -8,7 +8,9 @@ and whose epilogue either hands the tile on towards its owner or reduces the rec
 (`comm_ctas == 0`) or through a local staging buffer that `comm_ctas` dedicated CTAs push to
 the owner (section 3.2), so that no compute SM waits at NVLink pace. Communication goes through a
 transport (transport.py), so the same body runs on real devices (NVLink) and as virtual ranks
-on one GPU (loopback).
+on one GPU (loopback). With Config.pingpong the two warpgroups compute their tiles of a CTA
+tile in turn through one SMEM ring (pingpong.Ring) instead of jax's pipeline, so that one's
+epilogue runs under the other's mainloop (section 3.7); the epilogue is the same.
 """
 from __future__ import annotations
 
