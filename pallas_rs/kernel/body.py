@@ -32,9 +32,6 @@ from pallas_rs.kernel.rank import Hooks
 from pallas_rs.kernel.rank import Rank
 
 _NUM_COMPUTE_WGS = schedule.NUM_COMPUTE_WGS
-# Registers a thread of the memory / compute warpgroups (jax's pipeline's split, memory 40).
-_MEMORY_REGISTERS = 40
-_COMPUTE_REGISTERS = 232
 
 
 def _strided_count(start, stride, total):
@@ -103,7 +100,7 @@ def _pipeline(k: Rank, pipeline_body, compute_context, state=None):
   return plgpu.emit_pipeline_warp_specialized(
       pipeline_body,
       grid=(k.x.shape[1] // c.tile_k,),
-      memory_registers=_MEMORY_REGISTERS,
+      memory_registers=pingpong.MEMORY_REGISTERS,
       in_specs=[
           plgpu.BlockSpec((c.cta_tile_m, c.tile_k), lambda kk: (0, kk),
                           transforms=in_transforms, memory_space=plgpu.SMEM),
@@ -299,7 +296,7 @@ def _pingpong_tiles(k: Rank, epi: Epilogue, ring, wg_idx, cta_index, num_compute
   if k.hooks.gemm:
     @pl.when(wg_idx == _NUM_COMPUTE_WGS)
     def _memory():
-      plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
+      plgpu.set_max_registers(pingpong.MEMORY_REGISTERS, action="decrease")
 
       def tile(lin_idx, local_step):
         for wg in range(_NUM_COMPUTE_WGS):
@@ -317,7 +314,7 @@ def _pingpong_tiles(k: Rank, epi: Epilogue, ring, wg_idx, cta_index, num_compute
   @pl.when(wg_idx < _NUM_COMPUTE_WGS)
   def _consume():
     if k.hooks.gemm:
-      plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
+      plgpu.set_max_registers(pingpong.CONSUMER_REGISTERS, action="increase")
 
     def tile(lin_idx, local_step):
       @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((c.tile_m, c.tile_n), jnp.float32))

@@ -17,8 +17,8 @@ phase). With `cluster_m` = 2 two CTAs (a cluster) take vertically adjacent tiles
 and load each w block once, multicast into both (cluster TMA multicast: SM to SM on one GPU,
 not NVLink multicast), as cuBLAS's 2 x 1 clusters do: what the cooperative kernel's shared w
 block saved, back. `consumed` is then a cluster barrier: a slot is refilled once both CTAs'
-consumers read it. A probe for the fused body (body.py) to adopt if it measures faster: D = 1
-only, no communication (experiments/gemm_core.py's `--pingpong`).
+consumers read it. The kernel here is the standalone GEMM core (D = 1, no communication:
+experiments/gemm_core.py's `--pingpong`); `Ring` is also the fused body's with Config.pingpong.
 """
 from __future__ import annotations
 
@@ -36,12 +36,13 @@ from pallas_rs.kernel import config as config_lib
 
 MatmulDimension = config_lib.MatmulDimension
 NUM_CONSUMERS = 2
-_MEMORY_REGISTERS = 40
-_CONSUMER_REGISTERS = 232
+# Registers a thread of the memory / compute warpgroups (jax's pipeline's split for memory 40).
+MEMORY_REGISTERS = 40
+CONSUMER_REGISTERS = 232
 # What the accumulator may take of a consumer's registers: 128 fp32 a thread (CUTLASS's
 # ping-pong tiles, 128 x 128 and 64 x 256), the rest for addresses and the epilogue's cast.
 _MAX_ACC_ELEMENTS = 128 * 128
-SMEM_BYTES = 232448  # sharedMemPerBlockOptin on H100 and H200 (227 KiB)
+SMEM_BYTES = config_lib.SMEM_LIMIT_BYTES
 
 
 def swizzled(block_minor_elems: int, dtype) -> tuple:
@@ -195,7 +196,7 @@ def _kernel(x_gmem, w_gmem, out_gmem, x_smem, w_smem, full, consumed, out_smem, 
 
   @pl.when(wg == NUM_CONSUMERS)
   def _memory():
-    plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
+    plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
 
     @pl.loop(0, count)
     def _tile(local):
@@ -211,7 +212,7 @@ def _kernel(x_gmem, w_gmem, out_gmem, x_smem, w_smem, full, consumed, out_smem, 
 
   @pl.when(wg < NUM_CONSUMERS)
   def _consume():
-    plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+    plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
 
     @pl.loop(0, (count - wg + NUM_CONSUMERS - 1) // NUM_CONSUMERS)
     def _tile(i):
