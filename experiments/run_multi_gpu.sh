@@ -27,6 +27,7 @@
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh chains   # 4 GPUs: the ring chain / sum slot (D > 2) vs receive slots / direct push
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh pull_wm  # 4 GPUs, M = 512: 4 pulling CTAs + TMA add + the M split vs the table
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh alone    # one GPU is enough: one rank's program alone
+#   OUT=/tmp/mg bash experiments/run_multi_gpu.sh pingpong # Config.pingpong over NVLink: checked, stressed, timed
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh hang     # the NVLink test that hung 5 of 5 tries, alone / after its sibling
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh stall    # each warpgroup split with/without the TMA add, hangs isolated
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh stall_which   # the split or the 256-column wgmma: which stalls
@@ -262,6 +263,23 @@ mixtral8x22b_w2_m512,llama70b_o_proj_m2048,mixtral8x22b_o_proj_m2048 \
       --variant=t64x256_wm_noadd --m=2048 --nk=8192x8192 --stress_calls=4 --case_timeout_s=60 \
       --out="$out/stall_loopback.json" 2>&1 | tee "$out/stall_loopback.log" | quiet \
       | grep -E '^\{|^loopback|Timeout|File' | head -16 ;;
+  pingpong)
+    # Config.pingpong (the warpgroup tiles in turn through one SMEM ring) has never run over
+    # NVLink (BUILD_NOTES 2026-12-07): Llama o_proj's and Mixtral w2's (n, k) at M = 2048 and
+    # 8192, every element checked, then 20 stress calls; one process per variant, so a hang
+    # ends only its own; then the fused time with and without it. nvlink_unverified's pingpong
+    # clause is lifted only after this runs clean.
+    for v in t128x128_wn_s4_pp t128x128_wn_s4_pp_tadd_ring; do
+      echo "== $v"
+      timeout 150 python3 experiments/multi_gpu_check.py --variant=$v --m=2048,8192 --unverified \
+        --nk=8192x8192,6144x16384 --stress_calls=20 --case_timeout_s=60 \
+        --out="$out/pingpong_$v.json" 2>&1 | tee "$out/pingpong_$v.log" | quiet \
+        | grep -E '^\{|^nvlink|Timeout|File' | head -24
+    done
+    timeout 240 python3 experiments/ablate.py --unverified --iterations=50 \
+      --names=llama70b_o_proj_m2048,llama70b_o_proj_m8192,mixtral8x22b_w2_m2048 \
+      --configs=table,t128x128_wn_s4,t128x128_wn_s4_pp --ablations=fused,neither \
+      --out="$out/ablate_pingpong.json" 2>&1 | quiet | tail -12 ;;
   hang)
     # test_tma_add_bit_identical_over_nvlink[2048-8192-8192] hung in 5 of 5 tries (fifth
     # session 3, seventy-sixth 2), each after [512-2048-4096] had passed in the same process,
@@ -339,7 +357,7 @@ mixtral8x22b_w2_m512,llama70b_o_proj_m2048,mixtral8x22b_o_proj_m2048 \
         | cut -c1-200 | head -12
     done ;;
   *) echo "usage: $0 check|timer|sustained|sweep|proxy8|ablate|probe|numerics|model|layers_llama70b|layers_mixtral8x22b|ag|roofline|mesh2d|smallm|\
-smallm_proxy8|timeline|tiles|order|owner|prefetch|spread|owner_pull|chains|pull_wm|alone|hang|stall|stall_which|\
-stall_ablate|stall_loopback" >&2
+smallm_proxy8|timeline|tiles|order|owner|prefetch|spread|owner_pull|chains|pull_wm|alone|pingpong|hang|stall|\
+stall_which|stall_ablate|stall_loopback" >&2
      exit 2 ;;
 esac
