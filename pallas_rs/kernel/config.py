@@ -366,9 +366,9 @@ BOOL_FIELDS = tuple(f.name for f in dataclasses.fields(Config) if f.type in ("bo
 
 def tma_add_runs(num_devices: int, owner_sum: str, comm_ctas: int = 0,
                  comm_mode: str = "push", partial_dtype: str = "bfloat16") -> bool:
-  """Whether the TMA add (Config.tma_add) can run: in the ring's numerics at D = 2 (2-5 us less
-  alone at small M), and with pulling comm CTAs at D > 2, which add in ring order, bf16 into the
-  output or fp32 into one receive slot (2-11% faster in loopback); same bits (BUILD_NOTES 12-01)."""
+  """Whether the TMA add (Config.tma_add) can run, with the same bits: in the ring's numerics
+  at D = 2 (2-5 us less alone at small M), and with pulling comm CTAs at D > 2, adding in ring
+  order, bf16 into the output or fp32 into one slot (2-11% faster in loopback; 2026-12-01)."""
   pulled = num_devices > 2 and comm_ctas > 0 and comm_mode == "pull"
   if owner_sum == "bf16_ring":
     return comm_mode != "owner" and (num_devices == 2 or pulled)
