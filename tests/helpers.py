@@ -163,6 +163,17 @@ def assert_close(out, ref, *, tol: float, name: str = "") -> None:
         f"(index, out, ref): {first}")
 
 
+def assert_one_bf16_rounding(out, x, w, rows=slice(None)) -> None:
+  """Asserts `out` (bf16) is x[rows] @ w in fp64 up to one bf16 rounding of an fp32-accumulated
+  product, every element (|err| <= 2^-8 |value|, + fp32 noise), and that no element is NaN (an
+  output tile never written, with uninitialised memory poisoned to NaN)."""
+  out = np.asarray(out).astype(np.float32)
+  ref = (np.asarray(x, np.float32).astype(np.float64)[rows]
+         @ np.asarray(w, np.float32).astype(np.float64))
+  assert not np.isnan(out).any(), "an output tile was never written"
+  assert np.max(np.abs(out - ref) / (np.abs(ref) + 1e-3 * np.abs(ref).max())) <= 2.0**-8 * 1.01
+
+
 def assert_same_bits(want, got, name="") -> None:
   """Asserts two bf16 arrays equal bit for bit; on failure reports how many elements differ
   and the first flat indices."""

@@ -5,10 +5,9 @@ rank's D > 1 program alone (`fused.rank_alone`: its GEMM core, no peers).
 Checks the persistent tile loop (CTA striding, snake order) and the epilogue numerically, with
 uninitialised memory poisoned to NaN so an unwritten output tile fails.
 """
-import jax.numpy as jnp
-import numpy as np
 import pytest
 
+import helpers
 from pallas_rs.kernel import config as config_lib
 from pallas_rs.kernel import fused
 from pallas_rs.bench import testing
@@ -45,11 +44,7 @@ def test_local_matmul_interpret(cfg, m, k, n):
   params = interpret.InterpretGPUParams(uninitialized_memory="nan")
   with interpret.force_gpu_interpret_mode(params):
     out = fused.local_matmul(x, w, config=cfg)
-  out = np.asarray(out.astype(jnp.float32))
-  ref = np.asarray(x, np.float32).astype(np.float64) @ np.asarray(w, np.float32).astype(np.float64)
-  assert not np.isnan(out).any(), "an output tile was never written"
-  # One bf16 rounding of an fp32-accumulated product: |err| <= 2^-8 |value| (+ fp32 noise).
-  assert np.max(np.abs(out - ref) / (np.abs(ref) + 1e-3 * np.abs(ref).max())) <= 2.0**-8 * 1.01
+  helpers.assert_one_bf16_rounding(out, x, w)
 
 
 # One rank of D alone, the "neither" ablation: its output is its own chunk's partial, x[chunk] @ w,
@@ -83,9 +78,4 @@ def test_rank_alone_gemm_core_interpret(d, rank, n, k, cfg):
   params = interpret.InterpretGPUParams(uninitialized_memory="nan")
   with interpret.force_gpu_interpret_mode(params):
     out = fused.rank_alone(x, w, num_devices=d, rank=rank, config=cfg, ablate=("comm", "reduce"))
-  out = np.asarray(out.astype(jnp.float32))
-  chunk = slice(rank * m // d, (rank + 1) * m // d)
-  ref = (np.asarray(x, np.float32).astype(np.float64)[chunk]
-         @ np.asarray(w, np.float32).astype(np.float64))
-  assert not np.isnan(out).any(), "an output tile was never written"
-  assert np.max(np.abs(out - ref) / (np.abs(ref) + 1e-3 * np.abs(ref).max())) <= 2.0**-8 * 1.01
+  helpers.assert_one_bf16_rounding(out, x, w, slice(rank * m // d, (rank + 1) * m // d))

@@ -5,10 +5,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
+import helpers
 from pallas_rs.bench import testing
+from pallas_rs.kernel import config as config_lib
+from pallas_rs.kernel import fused
 from pallas_rs.kernel import pingpong
 
 PP = pingpong.PingPongConfig
@@ -92,18 +94,11 @@ def test_matmul_interpret(m, k, n, cfg):
     out = pingpong.matmul(x, w, config=cfg)
     out.block_until_ready()
   assert not interpret_call.get_races().races_found
-  out = np.asarray(out.astype(jnp.float32))
-  ref = np.asarray(x, np.float32).astype(np.float64) @ np.asarray(w, np.float32).astype(np.float64)
-  assert not np.isnan(out).any(), "an output tile was never written"
-  # One bf16 rounding of an fp32-accumulated product: |err| <= 2^-8 |value| (+ fp32 noise).
-  assert np.max(np.abs(out - ref) / (np.abs(ref) + 1e-3 * np.abs(ref).max())) <= 2.0**-8 * 1.01
+  helpers.assert_one_bf16_rounding(out, x, w)
 
 
 # The fused body's ping-pong (Config.pingpong): the two warpgroup tiles of a CTA tile through
 # pingpong.Ring in turn, the epilogue and the protocol per warpgroup as in the cooperative body.
-from pallas_rs.kernel import config as config_lib  # noqa: E402
-from pallas_rs.kernel import fused  # noqa: E402
-
 MD = config_lib.MatmulDimension
 
 
@@ -165,12 +160,7 @@ def test_fused_pingpong_interpret(cfg, m, k, n, d, rank):
                              ablate=("comm", "reduce"))
     out.block_until_ready()
   assert not interpret_call.get_races().races_found
-  out = np.asarray(out.astype(jnp.float32))
-  rows = slice(rank * m // d, (rank + 1) * m // d)
-  ref = (np.asarray(x, np.float32).astype(np.float64)[rows]
-         @ np.asarray(w, np.float32).astype(np.float64))
-  assert not np.isnan(out).any(), "an output tile was never written"
-  assert np.max(np.abs(out - ref) / (np.abs(ref) + 1e-3 * np.abs(ref).max())) <= 2.0**-8 * 1.01
+  helpers.assert_one_bf16_rounding(out, x, w, slice(rank * m // d, (rank + 1) * m // d))
 
 
 def test_fused_pingpong_refused_over_nvlink_until_run_there():
