@@ -9,8 +9,9 @@ x [M, K/D] @ w [K/D, N] (D = 8's k_shard is the proxy8 shapes'); times (CUPTI, m
 (`config_variants.variant_config` tokens applied to the tuning table's config for the D-device
 shape, comm fields dropped: at D = 1 the kernel is its GEMM core, the "neither" ablation's
 work without the split into chunks) and `hopper_matmul_mgpu.matmul` with the TuningConfigs of
---jax (tile_m x tile_n per warpgroup, wg split M or N, cluster multicast along M or N or none)
-and the ping-pong GEMM core (`pallas_rs.kernel.pingpong`) with the PingPongConfigs of --pingpong.
+--jax (tile_m x tile_n per warpgroup, wg split M or N, cluster multicast along M or N or none).
+The variants with the `pp` token are the ping-pong body (Config.pingpong); the table shows the
+best of them beside the best of the others.
 Every output is checked against an f32 reference (error <= 1.1x XLA's). XLA's dot is the
 benchmarks' (`pallas_rs.reference.dot`: the output dtype asked of XLA); --xla adds other forms of
 the same arithmetic (fp32 accumulation, one rounding): "f32_astype", an fp32 product then a cast
@@ -27,7 +28,6 @@ import dataclasses
 import functools
 import inspect
 from pathlib import Path
-import re
 import statistics
 import sys
 
@@ -60,12 +60,6 @@ _ABLATIONS = flags.DEFINE_list(
     "ablations", [], "Stage sets (rank.ABLATIONS joined by '+', e.g. store: no TMA stores) "
     "each --ours variant is also timed without, as 'ours:<variant>:no<set>'; timing only (the "
     "output is wrong): not checked, never the best.")
-# pallas_rs.kernel.pingpong tokens: p<tile_m>x<tile_n>_s<stages>[_e<epi_tile_n>][_m<w>|_n<w>][_c2]
-# (tile order: planar snake with minor dim M or N and tile width w, default N, 1; _c2: clusters
-# of 2 CTAs along M sharing w's blocks by TMA multicast).
-_PINGPONG = flags.DEFINE_list("pingpong", [], "Ping-pong GEMM cores (pallas_rs.kernel.pingpong), "
-                              "e.g. p128x128_s6,p64x256_s4_m8,p128x128_s6_c2.")
-_PP_TOKEN = re.compile(r"p(\d+)x(\d+)_s(\d+)(?:_e(\d+))?(?:_([mn])(\d+))?(?:_c(\d))?")
 _STEPS = flags.DEFINE_integer("steps", 4, "jax configs: pipeline steps (fit to SMEM down).")
 _ITERS = flags.DEFINE_integer("iterations", 50, "Timed iterations per variant.")
 _TIMING = flag_checks.TimingFlags(__name__, "a shape's variants")
@@ -94,21 +88,6 @@ def jax_matmul(hm, config):
   return lambda a, b: hm.matmul(a, b, config=config)
 
 
-def pingpong_config(token: str, num_sms: int):
-  """The PingPongConfig of a --pingpong token (ValueError for a malformed or invalid one)."""
-  from pallas_rs.kernel import pingpong  # pylint: disable=g-import-not-at-top
-  match = _PP_TOKEN.fullmatch(token)
-  if not match:
-    raise ValueError(
-        f"{token!r} is not p<tile_m>x<tile_n>_s<stages>[_e<n>][_m<w>|_n<w>][_c<cluster_m>]")
-  tm, tn, stages, epi_n, minor, width, cluster = match.groups()
-  order = {} if minor is None else dict(
-      grid_minor_dim=pingpong.MatmulDimension[minor.upper()], grid_tile_width=int(width))
-  return pingpong.PingPongConfig(tile_m=int(tm), tile_n=int(tn), stages=int(stages),
-                                 epi_tile_n=int(epi_n or 64), cluster_m=int(cluster or 1),
-                                 num_sms=num_sms, **order)
-
-
 def check_flags() -> None:
   """UsageError for a flag value that would fail later in the run (flag_checks)."""
   flag_checks.subset("projections", _PROJ.value, _PROJECTIONS)
@@ -117,11 +96,6 @@ def check_flags() -> None:
   _TIMING.check()
   flag_checks.variant_names("ours", _OURS.value)
   flag_checks.subset("xla", _XLA.value, sorted(XLA_FORMS))
-  for token in _PINGPONG.value:
-    try:
-      pingpong_config(token, 2)
-    except ValueError as e:
-      raise app.UsageError(f"--pingpong: {e}") from e
   from pallas_rs.kernel import rank  # pylint: disable=g-import-not-at-top
   flag_checks.subset("ablations", [part for a in _ABLATIONS.value for part in a.split("+")],
                      sorted(rank.ABLATIONS))
@@ -141,7 +115,6 @@ def main(argv):
   from pallas_rs.bench import timing  # pylint: disable=g-import-not-at-top
   from pallas_rs.kernel import config as config_lib  # pylint: disable=g-import-not-at-top
   from pallas_rs.kernel import fused  # pylint: disable=g-import-not-at-top
-  from pallas_rs.kernel import pingpong  # pylint: disable=g-import-not-at-top
 
   bench_env.require_gpu("gemm_core.py", "times Mosaic GPU kernels")
   out = Path(_OUT.value) if _OUT.value else bench_env.default_out("gemm_core.json")
@@ -179,15 +152,6 @@ def main(argv):
           for stages in _ABLATIONS.value:
             fns[f"ours:{token}:no{stages}"] = jax.jit(functools.partial(
                 fused.local_matmul, config=cfg, ablate=tuple(stages.split("+"))))
-        for token in _PINGPONG.value:
-          pp = pingpong_config(token, fused.gpu_num_sms() or config_lib.DEFAULT_NUM_SMS)
-          try:
-            pp.check_shape(m=m, n=n, k=k_shard)
-          except ValueError as e:
-            row["configs"][f"pp:{token}"] = f"unavailable: {e}"
-            continue
-          row["configs"][f"pp:{token}"] = repr(pp)
-          fns[f"pp:{token}"] = jax.jit(functools.partial(pingpong.matmul, config=pp))
         for token in _JAX.value:
           for steps in range(_STEPS.value, 1, -1):  # The deepest pipeline that fits SMEM.
             fn = jax.jit(jax_matmul(hm, jax_config(hm, token, steps)))
@@ -242,8 +206,8 @@ def _ablated(label: str) -> bool:
 
 
 def table(rows) -> str:
-  """Per row: XLA's median, the fastest config of ours, of jax's and of the ping-pong kernels'
-  (--pingpong) among those whose output kept the rule (error <= 1.1x XLA's + 1e-6; a NaN error
+  """Per row: XLA's median, the fastest of ours (cooperative), of jax's and of ours with the
+  ping-pong body (Config.pingpong, the `pp` token) among those whose output kept the rule (error <= 1.1x XLA's + 1e-6; a NaN error
   or a missing XLA error does not), and how many were dropped from that pick: "bad err"
   (checked, over the rule), "failed" (did not build or run); last, each --xla form's time /
   XLA's (the forms that kept the rule) and each ablated variant's (--ablations)."""
@@ -257,15 +221,18 @@ def table(rows) -> str:
     bad = [k for k, e in r["max_rel_error"].items() if k != "xla_dot" and not (
         xla_err is not None and bench_env.rule_holds(e, xla_err, slack=1e-6))]
     failed = [k for k, c in r["configs"].items() if str(c).startswith("failed")]
-    pick = lambda p: min(((v, k) for k, v in med.items()
-                          if k.startswith(p) and k not in bad and not _ablated(k)),
-                         default=(float("nan"), "-"))
-    (to, ko), (tj, kj), (tp, kp) = pick("ours:"), pick("jax:"), pick("pp:")
+    pp = lambda k: "pingpong=True" in str(r["configs"].get(k))
+    pick = lambda p, keep=lambda k: True: min(
+        ((v, k) for k, v in med.items()
+         if k.startswith(p) and k not in bad and not _ablated(k) and keep(k)),
+        default=(float("nan"), "-"))
+    (to, ko), (tj, kj) = pick("ours:", lambda k: not pp(k)), pick("jax:")
+    tp, kp = pick("ours:", pp)
     forms = " ".join([f"{k[8:]}={v / xla:.3f}" for k, v in med.items()
                       if k.startswith("xla_dot:") and k not in bad] +
                      [f"{k[5:]}={v / xla:.3f}" for k, v in med.items() if _ablated(k)])
     lines.append(f"{r['name']:26} {r['d']:>2} {xla:7.1f} {ko[5:]:>12} {to:5.1f} "
-                 f"{to / xla:6.3f} {kj[4:]:>12} {tj:5.1f} {tj / xla:6.3f} {kp[3:]:>12} {tp:5.1f} "
+                 f"{to / xla:6.3f} {kj[4:]:>12} {tj:5.1f} {tj / xla:6.3f} {kp[5:]:>12} {tp:5.1f} "
                  f"{tp / xla:6.3f} {len(bad):>7} "
                  f"{len(failed):>6} {forms}".rstrip())
   return "\n".join(lines)

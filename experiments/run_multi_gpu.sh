@@ -28,7 +28,7 @@
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh pull_wm  # 4 GPUs, M = 512: 4 pulling CTAs + TMA add + the M split vs the table
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh alone    # one GPU is enough: one rank's program alone
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh pingpong # Config.pingpong over NVLink: checked, stressed, timed
-#   OUT=/tmp/mg bash experiments/run_multi_gpu.sh pingpong_one  # one GPU: Config.pingpong in loopback, its GEMM core vs the probe
+#   OUT=/tmp/mg bash experiments/run_multi_gpu.sh pingpong_one  # one GPU: Config.pingpong in loopback, its GEMM core
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh hang     # the NVLink test that hung 5 of 5 tries, alone / after its sibling
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh stall    # each warpgroup split with/without the TMA add, hangs isolated
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh stall_which   # the split or the 256-column wgmma: which stalls
@@ -282,11 +282,11 @@ mixtral8x22b_w2_m512,llama70b_o_proj_m2048,mixtral8x22b_o_proj_m2048 \
       --configs=table,t128x128_wn_s4,t128x128_wn_s4_pp --ablations=fused,neither \
       --out="$out/ablate_pingpong.json" 2>&1 | quiet | tail -12 ;;
   pingpong_one)
-    # One GPU (BUILD_NOTES 2026-12-07): the fused body's ping-pong has run nowhere yet. First in
-    # loopback at D = 4 and 8, every element against the error rule; then its GEMM core beside
-    # the standalone probe's (pallas_rs.kernel.pingpong) and the 4-step prefetch kernel's, D = 8's
-    # k_shard; on an H200 also the hundred-and-second entry's spread variants at M = 2048 (issue
-    # 19's two H200 misses, never probed there).
+    # One GPU: the fused body's ping-pong in loopback at D = 4 and 8, every element against the
+    # error rule (clean on one H100, BUILD_NOTES 2026-12-07); then its GEMM core beside the
+    # 4-step prefetch kernel's, D = 8's k_shard; on an H200 also the hundred-and-second entry's
+    # spread variants and two more tile orders at M = 2048 (issue 19's two H200 misses, never
+    # probed there).
     for d in 4 8; do
       timeout 120 python3 experiments/ablate.py --num_devices=$d --iterations=10 \
         --names=llama70b_o_proj_m2048,mixtral8x22b_w2_m2048 --configs=t128x128_s4,t128x128_s4_pp \
@@ -297,13 +297,14 @@ mixtral8x22b_w2_m512,llama70b_o_proj_m2048,mixtral8x22b_o_proj_m2048 \
     ms=2048,8192; [ "$h200" -gt 0 ] && ms=2048
     timeout 200 python3 experiments/gemm_core.py --projections=llama70b_o_proj,mixtral8x22b_o_proj \
       --ms=$ms --ds=8 --jax= --ours=t64x256_wm_s4_pf,t128x128_s5_pp_gm_g8,t128x128_s6_pp_gm_g8 \
-      --pingpong=p128x128_s5_m8,p128x128_s6_m8 --iterations=40 \
+      --iterations=40 \
       --out="$out/gemm_core_pingpong_fused.json" 2>&1 | quiet | tail -16
     if [ "$h200" -gt 0 ]; then
       timeout 200 python3 experiments/gemm_core.py --projections=llama70b_o_proj,mixtral8x22b_o_proj \
-        --ms=2048 --ds=8 --jax= --pingpong=p128x128_s6_m4,p128x128_s6_n4 --iterations=40 \
+        --ms=2048 --ds=8 --jax= --iterations=40 \
         --ours=t64x256_wm_s4_pf,t64x256_wm_s3_pf_ss,t64x256_wm_s2_pf_ss,t64x256_wm_s3_ss,\
-t64x256_wm_s3_pf_o4,t64x128_wm_s4_pf_ss,t128x128_wm_s2_pf_ss,t128x64_s4_pf_ss \
+t64x256_wm_s3_pf_o4,t64x128_wm_s4_pf_ss,t128x128_wm_s2_pf_ss,t128x64_s4_pf_ss,\
+t128x128_s6_pp_gm_g4,t128x128_s6_pp_gn_g4 \
         --out="$out/gemm_core_spread_h200.json" 2>&1 | quiet | tail -16
     fi ;;
   hang)

@@ -1,6 +1,7 @@
-"""The ping-pong GEMM core (pallas_rs.kernel.pingpong): its config's checks, its lowering for
-CUDA at issue 19's two misses, and its numerics in Mosaic GPU's interpret mode on CPU (every
-output element against an fp64 product, uninitialised memory poisoned to NaN)."""
+"""The fused body's ping-pong (Config.pingpong, pallas_rs.kernel.pingpong's ring): its config's
+checks, its lowering for CUDA, and its numerics in Mosaic GPU's interpret mode on CPU (every
+output element against an fp64 product, uninitialised memory poisoned to NaN, races checked)."""
+import dataclasses
 import functools
 
 import jax
@@ -11,90 +12,10 @@ import helpers
 from pallas_rs.bench import testing
 from pallas_rs.kernel import config as config_lib
 from pallas_rs.kernel import fused
-from pallas_rs.kernel import pingpong
-
-PP = pingpong.PingPongConfig
-
-
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(tile_m=96), "tile_m"),
-    (dict(tile_n=96), "tile_n"),
-    (dict(tile_n=320), "tile_n"),
-    (dict(tile_m=128, tile_n=256), "accumulator"),
-    (dict(tile_k=32), "tile_k"),
-    (dict(stages=1), "stages"),
-    (dict(epi_tile_n=48), "epilogue"),
-    (dict(num_sms=0), "num_sms"),
-    (dict(cluster_m=4), "cluster_m"),
-    (dict(cluster_m=2, num_sms=133), "multiple of cluster_m"),
-])
-def test_config_rejects(kwargs, match):
-  with pytest.raises(ValueError, match=match):
-    PP(**kwargs)
-
-
-def test_check_shape():
-  PP().check_shape(m=2048, n=8192, k=1024)
-  with pytest.raises(ValueError, match="multiples"):
-    PP().check_shape(m=2048 + 64, n=8192, k=1024)
-  with pytest.raises(ValueError, match="SMEM"):
-    PP(stages=7).check_shape(m=2048, n=8192, k=1024)  # 7 x 32 KB + the store slots
-  assert PP(stages=6).smem_bytes() == 6 * 32768 + 2 * 2 * 8192
-  with pytest.raises(ValueError, match="256 x 128"):  # a cluster's two 128-row tiles
-    PP(cluster_m=2).check_shape(m=128 * 3, n=8192, k=1024)
-
-
-def test_matmul_rejects_bad_operands():
-  x = jnp.zeros((256, 128), jnp.bfloat16)
-  with pytest.raises(ValueError, match="bf16"):
-    pingpong.matmul(x, jnp.zeros((64, 128), jnp.bfloat16))
-  with pytest.raises(ValueError, match="bf16"):
-    pingpong.matmul(x.astype(jnp.float32), jnp.zeros((128, 128), jnp.float32))
-
-
-# Issue 19's misses: Llama-3 70B o_proj and Mixtral 8x22B o_proj at M = 2048, D = 8's k_shard.
-@pytest.mark.parametrize("m,k,n,cfg", [
-    (2048, 1024, 8192, PP(stages=6)),
-    (2048, 768, 6144, PP(stages=5, grid_minor_dim=pingpong.MatmulDimension.M,
-                         grid_tile_width=8)),
-    (2048, 768, 6144, PP(tile_m=64, tile_n=256, stages=4, epi_tile_n=128)),
-    (2048, 1024, 8192, PP(stages=6, cluster_m=2)),  # w's blocks multicast to a CTA pair
-])
-def test_lowers_for_cuda(m, k, n, cfg):
-  sds = jax.ShapeDtypeStruct
-  exported = jax.export.export(jax.jit(functools.partial(pingpong.matmul, config=cfg)),
-                               platforms=["cuda"])(sds((m, k), jnp.bfloat16),
-                                                   sds((k, n), jnp.bfloat16))
-  assert "pallas_rs_pingpong_matmul" in exported.mlir_module()
-
 
 interpret = pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.params")
 interpret_call = pytest.importorskip(
     "jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call")
-
-
-# 15-20 s each in interpret mode on 2 CPU cores: the slow layer (tests/conftest.py).
-@pytest.mark.slow
-@pytest.mark.parametrize("m,k,n,cfg", [
-    # 24 tiles on 5 CTAs (5, 5, 5, 5 and 4: warpgroup 1 has one fewer on the last), 3 k blocks
-    # on a ring of 2 slots: a consumer skips an odd number of each slot's phases per tile.
-    (384, 192, 256, PP(tile_m=64, tile_n=64, stages=2, num_sms=5)),
-    # Two-row-block wgmma tiles, 4 tiles on 3 CTAs (one has a tile for warpgroup 1, two not),
-    # 4 blocks on 3 slots; the snake along M.
-    (256, 256, 256, PP(tile_m=128, tile_n=128, stages=3, num_sms=3,
-                       grid_minor_dim=pingpong.MatmulDimension.M, grid_tile_width=2)),
-])
-def test_matmul_interpret(m, k, n, cfg):
-  # The interpreter also fails a barrier protocol it can see broken (a phase completed again
-  # before a waiter saw it: e.g. a slot refilled before its consumer released it), and
-  # detect_races checks the SMEM accesses against the barriers' order.
-  x, w = testing.generate(m + k + n, m, k, n)
-  params = interpret.InterpretGPUParams(uninitialized_memory="nan", detect_races=True)
-  with interpret.force_gpu_interpret_mode(params):
-    out = pingpong.matmul(x, w, config=cfg)
-    out.block_until_ready()
-  assert not interpret_call.get_races().races_found
-  helpers.assert_one_bf16_rounding(out, x, w)
 
 
 # The fused body's ping-pong (Config.pingpong): the two warpgroup tiles of a CTA tile through
@@ -127,6 +48,12 @@ def test_config_pingpong_checks():
 ])
 def test_fused_pingpong_lowers(cfg):
   sds = jax.ShapeDtypeStruct
+  # At D = 1 as the GEMM core measured on one H100 (BUILD_NOTES 2026-12-07): 6 slots where they
+  # fit, row bands of 8 tiles; Mixtral o_proj at M = 2048, D = 8's k_shard.
+  local = functools.partial(fused.local_matmul, config=config_lib.fit_smem(dataclasses.replace(
+      cfg, max_concurrent_steps=6, grid_minor_dim=MD.M, grid_tile_width=8), 1))
+  jax.export.export(jax.jit(local), platforms=["cuda"])(sds((2048, 768), jnp.bfloat16),
+                                                        sds((768, 6144), jnp.bfloat16))
   d = 2 if cfg.tma_add else 8
   xs, ws = sds((d, 2048, 1024), jnp.bfloat16), sds((d, 1024, 8192), jnp.bfloat16)
   lower = functools.partial(fused.loopback_matmul_reduce_scatter, config=cfg)
@@ -145,6 +72,11 @@ def test_fused_pingpong_lowers(cfg):
     pytest.param(config_lib.Config(tile_m=64, tile_n=64, wg_dimension=MD.M, num_sms=5,
                                    max_concurrent_steps=3, pingpong=True), 384, 128, 192, 1, 0,
                  marks=pytest.mark.slow),
+    # Two-row-block wgmma tiles (128 x 128 a warpgroup), 4 CTA tiles on 3 CTAs (one takes two),
+    # 4 k blocks on 3 slots; the snake along M, two tiles wide (the measured tile order).
+    pytest.param(config_lib.Config(tile_m=128, tile_n=128, max_concurrent_steps=3, num_sms=3,
+                                   grid_minor_dim=MD.M, grid_tile_width=2, pingpong=True),
+                 256, 256, 512, 1, 0, marks=pytest.mark.slow),
     # One rank of D = 2 alone: the peer's chunk into its own receive slot, then its own chunk.
     pytest.param(config_lib.Config(tile_m=64, tile_n=64, max_concurrent_steps=2, num_sms=3,
                                    pingpong=True), 256, 256, 256, 2, 1, marks=pytest.mark.slow),
