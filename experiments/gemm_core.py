@@ -207,8 +207,9 @@ def _ablated(label: str) -> bool:
 
 def table(rows) -> str:
   """Per row: XLA's median, the fastest of ours (cooperative), of jax's and of ours with the
-  ping-pong body (Config.pingpong, the `pp` token) among those whose output kept the rule (error <= 1.1x XLA's + 1e-6; a NaN error
-  or a missing XLA error does not), and how many were dropped from that pick: "bad err"
+  ping-pong body (Config.pingpong, the `pp` token; told by the config's repr in the JSON) among
+  those whose output kept the rule (error <= 1.1x XLA's + 1e-6; a NaN error or a missing XLA
+  error does not), and how many were dropped from that pick: "bad err"
   (checked, over the rule), "failed" (did not build or run); last, each --xla form's time /
   XLA's (the forms that kept the rule) and each ablated variant's (--ablations)."""
   lines = [f"{'shape':26} {'D':>2} {'xla us':>7} {'best ours':>18} {'/xla':>6} "
