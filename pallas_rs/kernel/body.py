@@ -163,7 +163,7 @@ def _compute_program(k: Rank, scoped: dict, cta_index, num_compute):
   ...; per tile the mainloop, then the previous tile's deferred announcement and the tile's
   epilogue (epilogue.py); after the loop the last deferred announcement and, with "owner",
   the exit handshake."""
-  d, c = k.d, k.config
+  c = k.config
   blocks = k.x.shape[1] // c.tile_k
 
   @functools.partial(pl.run_scoped, collective_axes="wg", **scoped)
@@ -175,10 +175,7 @@ def _compute_program(k: Rank, scoped: dict, cta_index, num_compute):
     def tile_body(lin_idx, local_step):
       # spread_stores: the CTA's last tile has no next one to spread its stores over.
       epi_t = dataclasses.replace(epi, last=local_step == last_step) if k.spread else epi
-      step, tile = k.walk(lin_idx)
-      first_dst = schedule.wg_dst(k.rank, step, 0, d, k.group)  # The tile's first chunk.
-      (m_idx, n_idx), _ = k.tile_slices(tile, wg_idx)
-      cta_n_slice = pl.ds(n_idx * c.cta_tile_n, c.cta_tile_n)
+      row, col = _cta_origin(k, lin_idx, wg_idx)  # The CTA tile's x rows and w columns.
       # This warpgroup's part of the CTA's x and w blocks.
       wg_x = pl.ds(wg_idx * c.tile_m, c.tile_m) if k.wg_m else slice(None)
       wg_w = slice(None) if k.wg_m else pl.ds(wg_idx * c.tile_n, c.tile_n)
@@ -209,14 +206,13 @@ def _compute_program(k: Rank, scoped: dict, cta_index, num_compute):
         def _():
           compute_context(lambda acc_ref: None)  # The epilogue of a tile of zeros.
       else:
-        chunk = k.x.shape[0] // d
         state = None
         if c.prefetch_tiles:  # The CTA's first tile fills the pipeline; the others go on.
           state = jnp.where(local_step == 0, plgpu.PipelinePipeline.START,
                             plgpu.PipelinePipeline.STEADY)
         _pipeline(k, mma_body, compute_context, state)(
-            k.x.at[pl.ds(first_dst * chunk + m_idx * c.cta_tile_m, c.cta_tile_m), :],
-            k.w.at[:, cta_n_slice],
+            k.x.at[pl.ds(row, c.cta_tile_m), :],
+            k.w.at[:, pl.ds(col, c.cta_tile_n)],
             allocations=pipeline_allocs,
         )
 
@@ -236,6 +232,16 @@ def _compute_program(k: Rank, scoped: dict, cta_index, num_compute):
 
     if k.owner_pull and k.hooks.comm:
       epi.exit_handshake(cta_index, num_compute)
+
+
+def _cta_origin(k: Rank, lin_idx, wg_idx):
+  """(first row of x, first column of w) of the CTA tile at `lin_idx`: its first chunk's rows
+  (schedule.wg_dst at row block 0) in the staggered walk."""
+  c = k.config
+  step, tile = k.walk(lin_idx)
+  first_dst = schedule.wg_dst(k.rank, step, 0, k.d, k.group)
+  (m_idx, n_idx), _ = k.tile_slices(tile, wg_idx)
+  return first_dst * (k.x.shape[0] // k.d) + m_idx * c.cta_tile_m, n_idx * c.cta_tile_n
 
 
 def _tile_epilogue(k: Rank, epi: Epilogue, acc_ref, lin_idx, after_first, num_compute, wg_idx):
@@ -280,16 +286,12 @@ def _pingpong_tiles(k: Rank, epi: Epilogue, ring, wg_idx, cta_index, num_compute
   each as its two warpgroup tiles in turn through `ring` (global step (2 t + wg) blocks + kk
   for the CTA's t-th tile), so that one warpgroup's epilogue runs under the other's mainloop;
   each warpgroup's epilogue as the cooperative kernel's (per warpgroup already)."""
-  c, d = k.config, k.d
+  c = k.config
   blocks = k.x.shape[1] // c.tile_k
-  chunk = k.x.shape[0] // d
 
   def operands(lin_idx, wg):
     """Warpgroup wg's rows of x and columns of w for the tile at lin_idx (no pairs)."""
-    step, tile = k.walk(lin_idx)
-    (m_idx, n_idx), _ = k.tile_slices(tile, wg)
-    row = schedule.wg_dst(k.rank, step, 0, d, k.group) * chunk + m_idx * c.cta_tile_m
-    col = n_idx * c.cta_tile_n
+    row, col = _cta_origin(k, lin_idx, wg)
     row, col = (row + wg * c.tile_m, col) if k.wg_m else (row, col + wg * c.tile_n)
     return k.x.at[pl.ds(row, c.tile_m)], k.w.at[:, pl.ds(col, c.tile_n)]
 
