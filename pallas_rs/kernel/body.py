@@ -32,6 +32,16 @@ from pallas_rs.kernel.rank import Hooks
 from pallas_rs.kernel.rank import Rank
 
 _NUM_COMPUTE_WGS = schedule.NUM_COMPUTE_WGS
+# Registers a thread of the memory / compute warpgroups (jax's pipeline's split for memory 40).
+_MEMORY_REGISTERS = 40
+_CONSUMER_REGISTERS = 232
+
+
+def _swizzled(block_minor_elems: int, dtype) -> tuple:
+  """The TMA transforms of an SMEM block whose minor dimension has `block_minor_elems`."""
+  itemsize = jnp.dtype(dtype).itemsize
+  swizzle = plgpu.find_swizzle(block_minor_elems * itemsize * 8)
+  return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
 def _strided_count(start, stride, total):
@@ -96,11 +106,11 @@ def _pipeline(k: Rank, pipeline_body, compute_context, state=None):
   (Config.prefetch_tiles): jax's pipeline of pipelines, whose memory warpgroup goes on into
   the CTA's next tile instead of draining at the end of this one."""
   c = k.config
-  in_transforms = pingpong.swizzled(c.operand_swizzle_cols, k.x.dtype)
+  in_transforms = _swizzled(c.operand_swizzle_cols, k.x.dtype)
   return plgpu.emit_pipeline_warp_specialized(
       pipeline_body,
       grid=(k.x.shape[1] // c.tile_k,),
-      memory_registers=pingpong.MEMORY_REGISTERS,
+      memory_registers=_MEMORY_REGISTERS,
       in_specs=[
           plgpu.BlockSpec((c.cta_tile_m, c.tile_k), lambda kk: (0, kk),
                           transforms=in_transforms, memory_space=plgpu.SMEM),
@@ -142,12 +152,13 @@ def _allocations(k: Rank) -> dict:
   scoped = dict(
       pipeline_allocs=(
           pingpong.Ring.allocations(c.tile_m, c.tile_n, c.tile_k, c.max_concurrent_steps,
-                                    k.x.dtype, c.operand_swizzle_cols) if c.pingpong
+                                    k.x.dtype, _swizzled(c.operand_swizzle_cols, k.x.dtype))
+          if c.pingpong
           else _pipeline(k, ignore, ignore).get_allocations(k.x, k.w)),
       out_smem=plgpu.SMEM((_NUM_COMPUTE_WGS, c.num_out_slots, *epi), out_dtype,
-                          transforms=pingpong.swizzled(c.epi_tile_n, out_dtype)),
+                          transforms=_swizzled(c.epi_tile_n, out_dtype)),
   )
-  part_transforms = pingpong.swizzled(c.epi_tile_n, part_dtype)
+  part_transforms = _swizzled(c.epi_tile_n, part_dtype)
   if d > 1 and not k.sum_in_output:
     scoped["part_smem"] = plgpu.SMEM((_NUM_COMPUTE_WGS, c.recv_stages, *epi), part_dtype,
                                      transforms=part_transforms)
@@ -298,7 +309,7 @@ def _pingpong_tiles(k: Rank, epi: Epilogue, ring, wg_idx, cta_index, num_compute
   if k.hooks.gemm:
     @pl.when(wg_idx == _NUM_COMPUTE_WGS)
     def _memory():
-      plgpu.set_max_registers(pingpong.MEMORY_REGISTERS, action="decrease")
+      plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
 
       def tile(lin_idx, local_step):
         for wg in range(_NUM_COMPUTE_WGS):
@@ -316,7 +327,7 @@ def _pingpong_tiles(k: Rank, epi: Epilogue, ring, wg_idx, cta_index, num_compute
   @pl.when(wg_idx < _NUM_COMPUTE_WGS)
   def _consume():
     if k.hooks.gemm:
-      plgpu.set_max_registers(pingpong.CONSUMER_REGISTERS, action="increase")
+      plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
 
     def tile(lin_idx, local_step):
       @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((c.tile_m, c.tile_n), jnp.float32))

@@ -23,19 +23,8 @@ from typing import Any
 
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
-import jax.numpy as jnp
 
 NUM_CONSUMERS = 2
-# Registers a thread of the memory / compute warpgroups (jax's pipeline's split for memory 40).
-MEMORY_REGISTERS = 40
-CONSUMER_REGISTERS = 232
-
-
-def swizzled(block_minor_elems: int, dtype) -> tuple:
-  """The TMA transforms of an SMEM block whose minor dimension has `block_minor_elems`."""
-  itemsize = jnp.dtype(dtype).itemsize
-  swizzle = plgpu.find_swizzle(block_minor_elems * itemsize * 8)
-  return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,9 +39,9 @@ class Ring:
   stages: int
 
   @staticmethod
-  def allocations(tile_m, tile_n, tile_k, stages, dtype, swizzle_cols):
-    """The ring's scoped allocations (pl.run_scoped / scratch), in Ring's field order."""
-    operands = swizzled(swizzle_cols, dtype)
+  def allocations(tile_m, tile_n, tile_k, stages, dtype, operands):
+    """The ring's scoped allocations (pl.run_scoped / scratch), in Ring's field order; `operands`:
+    the x and w blocks' SMEM transforms."""
     return (plgpu.SMEM((stages, tile_m, tile_k), dtype, transforms=operands),
             plgpu.SMEM((stages, tile_k, tile_n), dtype, transforms=operands),
             plgpu.Barrier(num_arrivals=2, num_barriers=NUM_CONSUMERS * stages),  # x's and w's
