@@ -29,6 +29,7 @@
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh alone    # one GPU is enough: one rank's program alone
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh pingpong # Config.pingpong over NVLink: checked, stressed, timed
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh pingpong_one  # one GPU: Config.pingpong in loopback, its GEMM core
+#   OUT=/tmp/mg bash experiments/run_multi_gpu.sh smallm_one  # one GPU: M = 512 GEMM cores, 192-column and ping-pong tiles
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh hang     # the NVLink test that hung 5 of 5 tries, alone / after its sibling
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh stall    # each warpgroup split with/without the TMA add, hangs isolated
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh stall_which   # the split or the 256-column wgmma: which stalls
@@ -307,6 +308,17 @@ t64x256_wm_s3_pf_o4,t64x128_wm_s4_pf_ss,t128x128_wm_s2_pf_ss,t128x64_s4_pf_ss,\
 t128x128_s6_pp_gm_g4,t128x128_s6_pp_gn_g4 \
         --out="$out/gemm_core_spread_h200.json" 2>&1 | quiet | tail -16
     fi ;;
+  smallm_one)
+    # One GPU (either card): issue 19's M = 512 GEMM core at D = 8's k_shard, the 4-step prefetch
+    # kernel beside the two 128 x 192 CTA tiles that met the target on an H200 (BUILD_NOTES
+    # 2026-12-06, Mixtral 0.937-0.972x XLA's dot) and the ping-pong's 64-row tiles, never timed
+    # at M = 512 (Mixtral there: 1.12-1.21x on one H100 with the 128 x 256 tiles).
+    timeout 300 python3 experiments/gemm_core.py \
+      --projections=llama70b_o_proj,llama70b_down_proj,mixtral8x22b_o_proj,mixtral8x22b_w2 \
+      --ms=512 --ds=8 --jax= --iterations=40 \
+      --ours=t64x256_wm_s4_pf,t64x192_wm_s4_o3_pf,t64x192_wm_s4_pf_ss,t128x128_s6_pp_gm_g8,\
+t64x192_wm_s6_pp_gm_g8,t64x256_wm_s5_pp,t64x128_wm_s8_pp \
+      --out="$out/gemm_core_smallm_one.json" 2>&1 | quiet | tail -16 ;;
   hang)
     # test_tma_add_bit_identical_over_nvlink[2048-8192-8192] hung in 5 of 5 tries (fifth
     # session 3, seventy-sixth 2), each after [512-2048-4096] had passed in the same process,
@@ -384,7 +396,7 @@ t128x128_s6_pp_gm_g4,t128x128_s6_pp_gn_g4 \
         | cut -c1-200 | head -12
     done ;;
   *) echo "usage: $0 check|timer|sustained|sweep|proxy8|ablate|probe|numerics|model|layers_llama70b|layers_mixtral8x22b|ag|roofline|mesh2d|smallm|\
-smallm_proxy8|timeline|tiles|order|owner|prefetch|spread|owner_pull|chains|pull_wm|alone|pingpong|pingpong_one|hang|stall|\
+smallm_proxy8|timeline|tiles|order|owner|prefetch|spread|owner_pull|chains|pull_wm|alone|pingpong|pingpong_one|smallm_one|hang|stall|\
 stall_which|stall_ablate|stall_loopback" >&2
      exit 2 ;;
 esac

@@ -20,7 +20,7 @@ _SEP = "\x1f"
 _STAND_INS = {
     "python3": f'printf "%s{_SEP}" "$@" >> "$CALLS"; printf "\\n" >> "$CALLS"; echo stand-in',
     "timeout": 'shift; exec "$@"',
-    "nvidia-smi": "echo stand-in",
+    "nvidia-smi": 'echo "${GPU_NAME:-stand-in}"',
 }
 _PATH_FLAGS = ("out", "table", "trace_dir")
 
@@ -43,7 +43,11 @@ def _modes() -> dict[str, list[str]]:
 
 
 _BODIES = _bodies()
-MODES = list(_BODIES)
+# A step with a part for one card only (`nvidia-smi` naming an H200) runs here twice: as the
+# stand-in card and as an H200 ("<step>@h200"), so that both parts' calls are checked.
+_H200 = "@h200"
+MODES = list(_BODIES) + [mode + _H200 for mode, body in _BODIES.items()
+                         if re.search(r"grep [^\n]*H200", body)]
 PYTEST_MODES = [mode for mode, body in _BODIES.items() if "-m pytest" in body]
 
 
@@ -69,8 +73,10 @@ def calls(tmp_path_factory):
     out, tmp, log = root / mode / "out", root / mode / "tmp", root / mode / "calls"
     tmp.mkdir(parents=True)
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", OUT=str(out),
-               TMPDIR=str(tmp), CALLS=str(log))
-    proc = subprocess.run(["bash", str(SCRIPT), mode], cwd=helpers.REPO, env=env,
+               TMPDIR=str(tmp), CALLS=str(log), GPU_NAME=(
+                   "NVIDIA H200" if mode.endswith(_H200) else "stand-in"))
+    proc = subprocess.run(["bash", str(SCRIPT), mode.removesuffix(_H200)], cwd=helpers.REPO,
+                          env=env,
                           capture_output=True, text=True, timeout=60, check=False)
     lines = log.read_text().splitlines() if log.exists() else []
     recorded[mode] = ([line.split(_SEP)[:-1] for line in lines], proc.stderr, out, tmp)
