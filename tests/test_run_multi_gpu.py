@@ -76,8 +76,7 @@ def calls(tmp_path_factory):
                TMPDIR=str(tmp), CALLS=str(log), GPU_NAME=(
                    "NVIDIA H200" if mode.endswith(_H200) else "stand-in"))
     proc = subprocess.run(["bash", str(SCRIPT), mode.removesuffix(_H200)], cwd=helpers.REPO,
-                          env=env,
-                          capture_output=True, text=True, timeout=60, check=False)
+                          env=env, capture_output=True, text=True, timeout=60, check=False)
     lines = log.read_text().splitlines() if log.exists() else []
     recorded[mode] = ([line.split(_SEP)[:-1] for line in lines], proc.stderr, out, tmp)
   return recorded
@@ -102,6 +101,15 @@ def test_step_calls_parse_and_pass_their_checks(calls, mode):
         if value:  # Written under $OUT (what the device tool brings back) or the step's temp.
           assert Path(value).is_relative_to(out) or Path(value).is_relative_to(tmp), (
               f"{mode}: {script} --{name}={value} outside $OUT")
+
+
+@pytest.mark.parametrize("mode", [m for m in MODES if m.endswith(_H200)])
+def test_an_h200_only_part_is_reached_as_an_h200(calls, mode):
+  def relative(m):  # Each run writes under its own $OUT.
+    out = str(calls[m][2])
+    return [[arg.replace(out, "$OUT") for arg in call] for call in _script_calls(calls[m][0])]
+  assert relative(mode) != relative(mode.removesuffix(_H200)), (
+      f"{mode}: the same calls as on the stand-in card")
 
 
 # The slow layer: a pytest collection per selection (~30 s in all on 2 CPU cores).
