@@ -24,7 +24,10 @@ from typing import Any
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-NUM_CONSUMERS = 2
+from pallas_rs.kernel import schedule
+
+# The ring's consumers are the fused body's compute warpgroups, each taking whole tiles in turn.
+NUM_CONSUMERS = schedule.NUM_COMPUTE_WGS
 
 
 @dataclasses.dataclass(frozen=True)
