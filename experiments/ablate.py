@@ -170,6 +170,8 @@ def main(argv):
     for label, t in timings.items():
       row["times_us"][label] = t.times_us
       row.setdefault("timer", t.timer)
+      if t.kernels:  # per kernel of a call: what besides the Mosaic kernel each call launches
+        row.setdefault("kernels", {})[label] = t.kernels
     unfused_errors = {}  # by the order of the unfused path's sum
     unfused_fn = lambda order: fns["xla_seq"] if order == "nccl" else testing.loopback_unfused(
         order)
@@ -194,13 +196,21 @@ def main(argv):
       print("  GB/s per comm CTA:", {k: round(v, 1) for k, v in row["comm_gbps_per_cta"].items()})
     save()  # After every shape: a run cut short keeps what it measured.
 
-  print(f"\n{'shape':32} {'D':>2} {'config':>10} {'variant':>10} {'us':>9} {'/ xla_gemm':>10}")
+  # "kernel us": the Mosaic kernel's median alone; "other us": what else the call launches
+  # (at D > 1 jax's zero-fill of the kernel's semaphores), both per device (CUPTI only).
+  print(f"\n{'shape':32} {'D':>2} {'config':>10} {'variant':>10} {'us':>9} {'/ xla_gemm':>10} "
+        f"{'kernel us':>9} {'other us':>8}")
   for r in rows:
     med = {k: statistics.median(v) for k, v in r["times_us"].items()}
+    per_device = r["d"] if r["transport"] == "nvlink" else 1
     for label, t in med.items():
       cname, _, variant = label.rpartition(":")
-      print(f"{r['name']:32} {r['d']:>2} {cname or ('-' if label.startswith('xla') else 'table'):>10} "
-            f"{variant:>10} {t:9.1f} {t / med['xla_gemm']:10.3f}")
+      kernels = r.get("kernels", {}).get(label)
+      split = (timing.kernel_split_us(kernels, "mosaic_gpu", per_device)
+               if kernels and not label.startswith("xla") else None)
+      cname = cname or ("-" if label.startswith("xla") else "table")
+      print(f"{r['name']:32} {r['d']:>2} {cname:>10} {variant:>10} {t:9.1f} "
+            f"{t / med['xla_gemm']:10.3f}" + (f" {split[0]:9.1f} {split[1]:8.1f}" if split else ""))
   checked = [(r["name"], label) for r in rows for label in r.get("rule_holds", {})]
   broken = [(r["name"], label) for r in rows for label, ok in r.get("rule_holds", {}).items()
             if not ok]

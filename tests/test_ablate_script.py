@@ -60,6 +60,24 @@ fused.rank_alone = rank_alone
 """
 
 
+# Per-kernel records as CUPTI gives them on a GPU (BUILD_NOTES 2026-12-07, 106th): a D > 1
+# call's zero-fill of its semaphores beside the Mosaic kernel; XLA's dot one kernel.
+_WITH_KERNELS = """
+from pallas_rs.bench import alternating as _alt
+_real = _alt.time_alternating
+def _with_kernels(fns, **kw):
+  out = _real(fns, **kw)
+  for label, t in out.items():
+    t.kernels = ({"nvjet_gemm": dict(count_per_iteration=1, median_us=9.3, max_us=9.4)}
+                 if label.startswith("xla") else
+                 {"loop_broadcast_fusion": dict(count_per_iteration=1, median_us=0.9, max_us=1),
+                  "pallas_rs_rank_alone_mosaic_gpu_kernel": dict(
+                      count_per_iteration=1, median_us=9.6, max_us=9.7)})
+  return out
+_alt.time_alternating = _with_kernels
+"""
+
+
 @pytest.mark.slow  # ~30 s on 2 CPU cores: the slow layer (tests/conftest.py).
 def test_ablate_script_alone(tmp_path):
   out = tmp_path / "ablate.json"
@@ -73,6 +91,19 @@ def test_ablate_script_alone(tmp_path):
   assert (row["d"], row["rank"], row["transport"]) == (8, 3, "alone")
   assert set(row["times_us"]) == {"no_comm", "neither", "xla_gemm"}
   assert "max_rel_error" not in row  # nothing unablated to check
+  assert "kernels" not in row  # the host timer has no per-kernel records
+  # With CUPTI's per-kernel records (here attached to the host timings) the JSON keeps them
+  # and the table splits the Mosaic kernel from what else the call launched.
+  proc = helpers.run_script_with_stand_ins(
+      "ablate.py", args, stand_ins=ALONE_STAND_IN,
+      after_load="mod.bench_env.require_gpu = lambda script, what: None\n" + _WITH_KERNELS)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  (row,) = json.loads(out.read_text())["rows"]
+  assert set(row["kernels"]) == {"no_comm", "neither", "xla_gemm"}
+  lines = [l.split() for l in proc.stdout.splitlines() if l.startswith("llama70b_o_proj_m512 ")]
+  assert [l[3] for l in lines if len(l) == 8] == ["no_comm", "neither"], proc.stdout
+  assert all(l[-2:] == ["9.6", "0.9"] for l in lines if len(l) == 8)
+  assert [len(l) for l in lines if l[3] == "xla_gemm"] == [6]
   # An ablation that needs peers is refused before anything runs.
   proc = helpers.run_script_with_stand_ins(
       "ablate.py", args[:-1] + ["--ablations=fused,neither"], stand_ins=ALONE_STAND_IN,

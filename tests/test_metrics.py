@@ -169,6 +169,20 @@ def test_kernels_to_timing_not_separable_uses_mean():
   assert "mean" in t.rule
 
 
+def test_kernel_split_separates_the_main_kernel_from_what_else_a_call_launches():
+  # As an H100 recorded a D = 8 rank's call (BUILD_NOTES 2026-12-07, 106th): jax's zero-fill
+  # of the semaphores, then the Mosaic kernel; two devices pool their records.
+  per_iter = [[("loop_broadcast_fusion", 0.0009), ("pallas_rs_x_mosaic_gpu_kernel", 0.0095)],
+              [("loop_broadcast_fusion", 0.0009), ("pallas_rs_x_mosaic_gpu_kernel", 0.0097)]]
+  t = timing.kernels_to_timing(per_iter, num_devices=1)
+  assert timing.kernel_split_us(t.kernels, "mosaic_gpu") == pytest.approx((9.6, 0.9))
+  two = timing.kernels_to_timing([per_iter[0] * 2], num_devices=2)
+  assert timing.kernel_split_us(two.kernels, "mosaic_gpu", 2) == pytest.approx((9.5, 0.9))
+  assert timing.kernel_split_us(t.kernels, "nvjet") == pytest.approx((0.0, 10.5))
+  with pytest.raises(ValueError, match="num_devices"):
+    timing.kernel_split_us(t.kernels, "mosaic_gpu", 0)
+
+
 class _FakeProfiler:
   """Stands in for jax.experimental.mosaic.gpu.profiler on CPU."""
 

@@ -240,6 +240,24 @@ def host_batch_us(compiled, args, iterations: int) -> float:
   return (time.perf_counter() - t0) * 1e6 / iterations
 
 
+def kernel_split_us(kernels: dict[str, dict[str, float]], part: str,
+                    num_devices: int = 1) -> tuple[float, float]:
+  """(us per iteration and device of the kernels whose name contains `part`, of all the others)
+  from `Timing.kernels` (launches x median; records pooled over `num_devices`). What a call
+  launches besides its main kernel: a D > 1 Mosaic call's zero-fill of its semaphores (jax's
+  `pl.get_global` scratch, a `loop_broadcast_fusion`: BUILD_NOTES 2026-12-07, 106th)."""
+  if num_devices < 1:
+    raise ValueError(f"num_devices must be >= 1, got {num_devices}")
+  inside = outside = 0.0
+  for name, info in kernels.items():
+    us = info["count_per_iteration"] * info["median_us"] / num_devices
+    if part in name:
+      inside += us
+    else:
+      outside += us
+  return inside, outside
+
+
 def kernels_to_timing(per_iter: Sequence[Kernels], num_devices: int, *,
                       paired: bool = False) -> Timing:
   """Applies the multi-device rule of the module docstring to CUPTI records.
