@@ -556,6 +556,22 @@ def test_spread_stores_change_no_bit(d, m, comm):
   _same_bits([base, spread], d, m, n, k_shard, seed=15300 + 10 * d + len(comm))
 
 
+# Config.recv_stages (the owner's receive prefetch, which fit_smem gives back where a shed
+# pipeline step leaves room: BUILD_NOTES 2026-12-07, 106th) changes when received partials are
+# loaded, not what is added: every bit as with one stage, at D = 4 (fp32 partials) and D = 8
+# (bf16), the ping-pong's 5-step ring at D = 8 too.
+@pytest.mark.parametrize("d,m,pingpong", [(4, 2048, False), (8, 4096, False), (8, 4096, True)])
+def test_receive_stages_change_no_bit(d, m, pingpong):
+  n, k_shard = 1536, 768
+  base = defaults.default_config(m=m, n=n, k_shard=k_shard, num_devices=d)
+  base = config_lib.fit_smem(dataclasses.replace(
+      base, max_concurrent_steps=5 if pingpong else 2, recv_stages=3, pingpong=pingpong,
+      prefetch_tiles=False, tma_add=False, comm_ctas=0, comm_mode="push"), d)
+  cfgs = [dataclasses.replace(base, recv_stages=r) for r in range(1, base.recv_stages + 1)]
+  assert len(cfgs) >= 2 and not base.sum_in_output, base
+  _same_bits(cfgs, d, m, n, k_shard, seed=15400 + 10 * d + pingpong)
+
+
 def test_prefetch_tiles_at_d1_change_no_bit():
   x, w = testing.generate(15100, 2048, 768, 1536)
   outs = [np.asarray(fused.local_matmul(x, w, config=config_lib.Config(

@@ -205,6 +205,24 @@ def test_defaults_and_candidates_valid_within_smem(d):
       c.check_shape(m=m, n=n, k_shard=k_shard, num_devices=d)
 
 
+def test_fit_smem_gives_back_the_receive_stages_a_shed_step_makes_room_for():
+  # The ping-pong asked for 6 steps at D = 8: 6 do not fit even with one receive stage, 5 fit
+  # with two, which it keeps (one H100: the owner's sum of a D = 8 rank at M = 2048 ~40% longer
+  # with one; BUILD_NOTES 2026-12-07, 106th). Shedding stages first had left it one.
+  asked = config_lib.Config(tile_m=128, tile_n=128, max_concurrent_steps=6, recv_stages=2,
+                            pingpong=True)
+  fitted = config_lib.fit_smem(asked, 8)
+  assert (fitted.max_concurrent_steps, fitted.recv_stages) == (5, 2)
+  assert not dataclasses.replace(asked, recv_stages=1).fits_smem(8)
+  # Depth still comes first (stages go before steps), never more stages than asked, and what
+  # fits is left alone.
+  deep = dataclasses.replace(asked, max_concurrent_steps=5, recv_stages=3)
+  assert (config_lib.fit_smem(deep, 8).max_concurrent_steps,
+          config_lib.fit_smem(deep, 8).recv_stages) == (5, 2)
+  assert config_lib.fit_smem(dataclasses.replace(asked, recv_stages=1), 8).recv_stages == 1
+  assert config_lib.fit_smem(fitted, 8) == fitted
+
+
 def test_candidates_vary_one_field_each_first():
   cands = candidates.candidate_configs(m=8192, n=N, k_shard=K_SHARD, num_devices=1,
                                    max_configs=6)
