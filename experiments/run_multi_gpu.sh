@@ -153,7 +153,10 @@ llama70b_o_proj_m512,llama70b_o_proj_m32768,mixtral8x22b_w2_m2048,llama70b_down_
     # Issue 19 on one GPU: one rank's program of a D-device call alone on all SMs
     # (fused.rank_alone: no NVLink, no waits, no barrier): its GEMM core ("neither") and with its
     # local stores and owner loads ("no_comm") against XLA's dot of the same per-GPU GEMM, at
-    # M = 512/2048, D = 2 (seed and proxy8 k_shard) and D = 8 (the pairs walk at M = 512).
+    # M = 512/2048, D = 2 (seed and proxy8 k_shard) and D = 8 (the pairs walk at M = 512),
+    # there beside the configs that beat the table one rank alone on one H100 (BUILD_NOTES
+    # 2026-12-07, 106th: the M split's 128 x 192 tile, the ping-pong, one epilogue slot);
+    # ablate.py's "other us" column is jax's zero-fill of the semaphores.
     seed=""; proxy=""
     for p in llama70b_o_proj llama70b_down_proj mixtral8x22b_o_proj mixtral8x22b_w2; do
       for m in 512 2048; do
@@ -163,9 +166,10 @@ llama70b_o_proj_m512,llama70b_o_proj_m32768,mixtral8x22b_w2_m2048,llama70b_down_
     timeout 350 python3 experiments/ablate.py --alone --num_devices=2 --names="$seed,$proxy" \
       --iterations=50 --configs=table,tadd,tadd_t64x192_wm --ablations=no_comm,neither \
       --out="$out/ablate_alone_d2.json" 2>&1 | quiet | tail -90
-    timeout 220 python3 experiments/ablate.py --alone --num_devices=8 --names="$seed" \
-      --iterations=50 --configs=table,t64x128_wn,t64x192_wm --ablations=no_comm,neither \
-      --out="$out/ablate_alone_d8.json" 2>&1 | quiet | tail -50 ;;
+    timeout 240 python3 experiments/ablate.py --alone --num_devices=8 --names="$seed" \
+      --iterations=50 --configs=table,t64x192_wm_s4_o3_pf,t128x128_s5_pp_gm_g8,t128x128_s4_o1_pf \
+      --ablations=no_comm,neither \
+      --out="$out/ablate_alone_d8.json" 2>&1 | quiet | tail -80 ;;
   order|tiles)
     # Each shape's incumbent config (table or default) against candidates.order_variants
     # (order: every tile order at M = 8192 / 32768; row bands 8 high took 0-12% off the D = 2
