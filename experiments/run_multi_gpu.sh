@@ -313,10 +313,10 @@ t128x128_s6_pp_gm_g4,t128x128_s6_pp_gn_g4 \
         --out="$out/gemm_core_spread_h200.json" 2>&1 | quiet | tail -16
     fi ;;
   smallm_one)
-    # One GPU (either card): issue 19's M = 512 GEMM core at D = 8's k_shard, the 4-step prefetch
-    # kernel beside the two 128 x 192 CTA tile kernels fastest for Mixtral on an H200
-    # (BUILD_NOTES 2026-12-06: 0.937-0.972x XLA's dot at D = 8's k_shard) and the ping-pong's 64-row tiles, never timed
-    # at M = 512 (Mixtral there: 1.12-1.21x on one H100 with the 128 x 256 tiles).
+    # One GPU (either card): issue 19's M = 512 GEMM core at D = 8's k_shard, the 4-step
+    # prefetch kernel beside the two 128 x 192 CTA tile kernels fastest for Mixtral on an H200
+    # (BUILD_NOTES 2026-12-06: 0.937-0.972x XLA's dot) and the ping-pong's tiles (on one H100,
+    # 2026-12-07: 128 x 192 CTA tiles 0.98-1.00x for Mixtral, 64-row ping-pong tiles 1.02-1.42x).
     timeout 300 python3 experiments/gemm_core.py \
       --projections=llama70b_o_proj,llama70b_down_proj,mixtral8x22b_o_proj,mixtral8x22b_w2 \
       --ms=512 --ds=8 --jax= --iterations=40 \
