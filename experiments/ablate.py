@@ -24,6 +24,10 @@ ablations without communication only; XLA's dot of that rank's GEMM as the basel
 
   ... ablate.py --alone --num_devices=8 --names=llama70b_o_proj_m512 --ablations=no_comm,neither
 
+With --producer=swiglu the rank's x is computed in the same jit (for XLA's dot too), as in a
+model, and the table lists each call's kernels: whether the fill of the kernel's semaphores
+stays a kernel of its own there.
+
 Only the unablated kernel's output is checked (the ablated ones are wrong by construction),
 against the error rule (max relative error <= 1.1x the unfused path's; in loopback its
 emulation summed in the order the config's numerics copies): exit code 1 if any breaks it.
@@ -49,6 +53,11 @@ _NUM_DEVICES = flags.DEFINE_integer("num_devices", 8, "Loopback (one GPU): virtu
 _ALONE = flags.DEFINE_bool("alone", False, "One GPU: rank --rank of a --num_devices-device call "
                            "alone on the GPU (fused.rank_alone) instead of the loopback.")
 _RANK = flags.DEFINE_integer("rank", 0, "--alone: which rank's program.")
+_PRODUCER = flags.DEFINE_enum(
+    "producer", "", ["", "swiglu"], "--alone: compute the kernel's x in the same jit, as a "
+    "model does (swiglu: silu(a) * b, a SwiGLU feeding a down projection), XLA's dot too; "
+    "the table then lists each call's kernels: whether XLA fused the semaphores' zero-fill "
+    "with the producer.")
 _ITERS = flags.DEFINE_integer("iterations", 100, "Timed iterations per variant.")
 _TIMING = flag_checks.TimingFlags(__name__, "the variants of a shape")
 _OUT = flags.DEFINE_string("out", "", "JSON output path; default experiments/out/"
@@ -78,6 +87,8 @@ def check_flags() -> None:
   flag_checks.variant_names("configs", _CONFIGS.value)
   flag_checks.subset("ablations", _ABLATIONS.value, VARIANTS)
   _TIMING.check()
+  if _PRODUCER.value and not _ALONE.value:
+    raise app.UsageError("--producer needs --alone")
 
 
 def main(argv):
@@ -119,6 +130,12 @@ def main(argv):
       build = lambda ablate, cfg: jax.jit(functools.partial(
           fused.rank_alone, num_devices=d, rank=_RANK.value, ablate=ablate, config=cfg))
       baselines = {"xla_gemm": jax.jit(reference.dot)}
+      if _PRODUCER.value:
+        row["producer"] = _PRODUCER.value
+        args = (args[0], testing.generate(1, m, k_shard, n)[0], args[1])
+        build = lambda ablate, cfg, kernel=build: jax.jit(
+            lambda a, b, w: kernel(ablate, cfg)(swiglu(a, b), w))
+        baselines = {"xla_gemm": jax.jit(lambda a, b, w: reference.dot(swiglu(a, b), w))}
       check = None
     elif nvlink:
       mesh = jax.make_mesh((d,), ("tp",), devices=gpus[:d])
@@ -211,6 +228,13 @@ def main(argv):
       cname = cname or ("-" if label.startswith("xla") else "table")
       print(f"{r['name']:32} {r['d']:>2} {cname:>10} {variant:>10} {t:9.1f} "
             f"{t / med['xla_gemm']:10.3f}" + (f" {split[0]:9.1f} {split[1]:8.1f}" if split else ""))
+  for r in rows:  # with a producer: which kernels each call launched (is the fill its own?)
+    if r.get("producer") and r.get("kernels"):
+      print(f"{r['name']} kernels per call (name: count x median us):")
+      for label, kernels in r["kernels"].items():
+        print(f"  {label}: " + ", ".join(f"{name}: {info['count_per_iteration']} x "
+                                         f"{info['median_us']:.1f}"
+                                         for name, info in kernels.items()))
   checked = [(r["name"], label) for r in rows for label in r.get("rule_holds", {})]
   broken = [(r["name"], label) for r in rows for label, ok in r.get("rule_holds", {}).items()
             if not ok]
@@ -221,6 +245,13 @@ def main(argv):
   print("wrote", out)
   if broken:
     sys.exit(1)
+
+
+def swiglu(a, b):
+  """--producer=swiglu: a SwiGLU's output, the down projection's x (fp32 math, x's dtype)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  return (jax.nn.silu(a.astype(jnp.float32)) * b.astype(jnp.float32)).astype(a.dtype)
 
 
 if __name__ == "__main__":

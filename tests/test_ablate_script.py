@@ -104,7 +104,23 @@ def test_ablate_script_alone(tmp_path):
   assert [l[3] for l in lines if len(l) == 8] == ["no_comm", "neither"], proc.stdout
   assert all(l[-2:] == ["9.6", "0.9"] for l in lines if len(l) == 8)
   assert [len(l) for l in lines if l[3] == "xla_gemm"] == [6]
-  # An ablation that needs peers is refused before anything runs.
+  # With a producer in the same jit (as in a model) the row says so and the table lists each
+  # call's kernels by name.
+  proc = helpers.run_script_with_stand_ins(
+      "ablate.py", args + ["--producer=swiglu"], stand_ins=ALONE_STAND_IN,
+      after_load="mod.bench_env.require_gpu = lambda script, what: None\n" + _WITH_KERNELS)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  (row,) = json.loads(out.read_text())["rows"]
+  assert row["producer"] == "swiglu" and set(row["times_us"]) == {"no_comm", "neither", "xla_gemm"}
+  assert ("  no_comm: loop_broadcast_fusion: 1 x 0.9, pallas_rs_rank_alone_mosaic_gpu_kernel: "
+          "1 x 9.6" in proc.stdout.splitlines()), proc.stdout
+  assert "  xla_gemm: nvjet_gemm: 1 x 9.3" in proc.stdout.splitlines()
+  # A producer without --alone, and an ablation that needs peers, are refused before anything
+  # runs.
+  proc = helpers.run_script_with_stand_ins(
+      "ablate.py", args[1:] + ["--producer=swiglu"], stand_ins=ALONE_STAND_IN,
+      after_load="mod.bench_env.require_gpu = lambda script, what: None")
+  assert proc.returncode != 0 and "--producer needs --alone" in proc.stderr
   proc = helpers.run_script_with_stand_ins(
       "ablate.py", args[:-1] + ["--ablations=fused,neither"], stand_ins=ALONE_STAND_IN,
       after_load="mod.bench_env.require_gpu = lambda script, what: None")
