@@ -78,6 +78,16 @@ _alt.time_alternating = _with_kernels
 """
 
 
+# Each trace of --producer's SwiGLU, printed (a model's x computed in the same jit).
+_SPY_PRODUCER = """
+_swiglu = mod.swiglu
+def _spy(a, b):
+  print("producer traced", flush=True)
+  return _swiglu(a, b)
+mod.swiglu = _spy
+"""
+
+
 @pytest.mark.slow  # ~30 s on 2 CPU cores: the slow layer (tests/conftest.py).
 def test_ablate_script_alone(tmp_path):
   out = tmp_path / "ablate.json"
@@ -104,12 +114,15 @@ def test_ablate_script_alone(tmp_path):
   assert [l[3] for l in lines if len(l) == 8] == ["no_comm", "neither"], proc.stdout
   assert all(l[-2:] == ["9.6", "0.9"] for l in lines if len(l) == 8)
   assert [len(l) for l in lines if l[3] == "xla_gemm"] == [6]
-  # With a producer in the same jit (as in a model) the row says so and the table lists each
+  # With a producer in the same jit (as in a model) every function computes its x by it (each
+  # traces it once: the two variants and XLA's dot), the row says so and the table lists each
   # call's kernels by name.
   proc = helpers.run_script_with_stand_ins(
       "ablate.py", args + ["--producer=swiglu"], stand_ins=ALONE_STAND_IN,
-      after_load="mod.bench_env.require_gpu = lambda script, what: None\n" + _WITH_KERNELS)
+      after_load="mod.bench_env.require_gpu = lambda script, what: None\n" + _WITH_KERNELS
+      + _SPY_PRODUCER)
   assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.stdout.count("producer traced") == 3, proc.stdout
   (row,) = json.loads(out.read_text())["rows"]
   assert row["producer"] == "swiglu" and set(row["times_us"]) == {"no_comm", "neither", "xla_gemm"}
   assert ("  no_comm: loop_broadcast_fusion: 1 x 0.9, pallas_rs_rank_alone_mosaic_gpu_kernel: "
