@@ -216,9 +216,8 @@ def test_fit_smem_gives_back_the_receive_stages_a_shed_step_makes_room_for():
   assert not dataclasses.replace(asked, recv_stages=1).fits_smem(8)
   # Depth still comes first (stages go before steps), never more stages than asked, and what
   # fits is left alone.
-  deep = dataclasses.replace(asked, max_concurrent_steps=5, recv_stages=3)
-  assert (config_lib.fit_smem(deep, 8).max_concurrent_steps,
-          config_lib.fit_smem(deep, 8).recv_stages) == (5, 2)
+  deep = config_lib.fit_smem(dataclasses.replace(asked, max_concurrent_steps=5, recv_stages=3), 8)
+  assert (deep.max_concurrent_steps, deep.recv_stages) == (5, 2)
   assert config_lib.fit_smem(dataclasses.replace(asked, recv_stages=1), 8).recv_stages == 1
   assert config_lib.fit_smem(fitted, 8) == fitted
 
