@@ -159,7 +159,7 @@ Rows per shape: gemm = jnp.dot alone (T_gemm), comm = psum_scatter of the [m, n]
 the op (fused = the Pallas kernel, xla, auto) and xla_windowed_einsum (XLA's collective matmul).
 E = (T_gemm + T_comm - T_fused) / min(T_gemm, T_comm): 0 = no overlap, 1 = the fused time reached
 max(T_gemm, T_comm); E 95% = its interval over the timing rounds (a bootstrap of rounds);
-speedup = T_seq / T_fused. max_rel_err is normwise against a float64 numpy
+over_us = median - max(T_gemm, T_comm), the microseconds above perfect overlap; speedup = T_seq / T_fused. max_rel_err is normwise against a float64 numpy
 reference; ratio = that error / the unfused path's (the seed rule: <= 1.1)."""
 
 
@@ -198,10 +198,17 @@ def _interval(mets: dict[str, Any]) -> str:
   return f"{ci[0]:.2f}..{ci[1]:.2f}" if ci else "-"
 
 
+def _over_ideal_us(stats: dict[str, Any], mets: dict[str, Any]) -> float | None:
+  """The median's microseconds above max(T_gemm, T_comm), or None without both."""
+  median, ideal = stats.get("median"), mets.get("t_ideal_us")
+  return None if median is None or ideal is None else median - ideal
+
+
 def format_table(records: Sequence[dict[str, Any]]) -> str:
   """A short fixed-width table: one row per record."""
   header = (f"{'shape':<40} {'impl':<20} {'D':>2} {'median_us':>10} "
-            f"{'p90_us':>9} {'E':>6} {'E 95%':>11} {'speedup':>7} {'max_rel_err':>11} "
+            f"{'p90_us':>9} {'E':>6} {'E 95%':>11} {'over_us':>7} {'speedup':>7} "
+            f"{'max_rel_err':>11} "
             f"{'ratio':>6} status")
   lines = [header, "-" * len(header)]
   for r in records:
@@ -218,6 +225,7 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
         f"{r['shape']['num_devices']:>2} {fmt(stats.get('median')):>10} "
         f"{fmt(stats.get('p90')):>9} "
         f"{fmt(mets.get('overlap_efficiency')):>6} {_interval(mets):>11} "
+        f"{fmt(_over_ideal_us(stats, mets), '.1f'):>7} "
         f"{fmt(mets.get('speedup_vs_seq', mets.get('speedup_vs_reference'))):>7} "
         f"{fmt(chk.get('max_rel_error'), '.3g'):>11} "
         f"{fmt(chk.get('ratio_to_unfused')):>6} {status[:90]}")

@@ -18,6 +18,7 @@
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh smallm   # M = 512/2048: GEMM core vs XLA's dot per tile shape
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh smallm_proxy8  # the same at D = 8's k_shard
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh timeline # M = 512/2048: per-call phase timeline (profiler)
+#   OUT=/tmp/mg bash experiments/run_multi_gpu.sh issue19  # M = 512 (seed, proxy8): E and us above max(T_gemm, T_comm)
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh tiles    # M = 512/2048 (seed, proxy8): retune the CTA tile
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh owner    # D = 2, all 32 shapes: each entry with/without the TMA add
 #   OUT=/tmp/mg bash experiments/run_multi_gpu.sh order    # M = 8192/32768 (seed, proxy8): retune the tile order
@@ -246,6 +247,17 @@ mixtral8x22b_w2_m2048,llama70b_o_proj_m8192,llama70b_o_proj_m8192_proxy8 2>&1 | 
       --configs=table,p4_ring_tadd_t64x256_wm,p4_ring_tadd --ablations=fused,no_comm \
       --iterations=50 --names=llama70b_o_proj_m512,llama70b_down_proj_m512 2>&1 \
       | quiet | tail -16 ;;
+  issue19)
+    # Issue 19's fused targets, first on x2: on the four M = 512 seed shapes (D = all GPUs) and
+    # their proxy8 shapes (D = 2), E >= 0.9 and T_fused <= max(T_gemm, T_comm) + 5 us (the
+    # table's over_us column), every output checked; `smallm`/`smallm_proxy8` time the cores.
+    names=""
+    for p in llama70b_o_proj llama70b_down_proj mixtral8x22b_o_proj mixtral8x22b_w2; do
+      names="$names${names:+,}${p}_m512,${p}_m512_proxy8"
+    done
+    timeout 560 python3 experiments/matmul_rs_bench.py --mode=multi_gpu --names="$names" \
+      --iterations=200 --implementations=xla,fused,auto --keep_going \
+      --out="$out/multi_gpu_issue19_m512.json" 2>&1 | quiet | tail -40 ;;
   timeline)
     # Issue 19: where a small-M call's time goes (Mosaic GPU profiler traces under $out/traces).
     timeout 400 python3 experiments/timeline.py --configs=table --trace_dir="$out/traces" \
@@ -400,7 +412,7 @@ t64x192_wm_s6_pp_gm_g8,t64x256_wm_s5_pp,t64x128_wm_s8_pp \
         | cut -c1-200 | head -12
     done ;;
   *) echo "usage: $0 check|timer|sustained|sweep|proxy8|ablate|probe|numerics|model|layers_llama70b|layers_mixtral8x22b|ag|roofline|mesh2d|smallm|\
-smallm_proxy8|timeline|tiles|order|owner|prefetch|spread|owner_pull|chains|pull_wm|alone|pingpong|pingpong_one|smallm_one|hang|stall|\
+smallm_proxy8|issue19|timeline|tiles|order|owner|prefetch|spread|owner_pull|chains|pull_wm|alone|pingpong|pingpong_one|smallm_one|hang|stall|\
 stall_which|stall_ablate|stall_loopback" >&2
      exit 2 ;;
 esac

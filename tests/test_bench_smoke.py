@@ -315,6 +315,19 @@ def test_judged_record_without_unfused_error_is_not_a_pass(bench, harness):
     bench.validate_record(bench.sanitize(dict(judged, check=nan)))
 
 
+def test_table_prints_the_microseconds_above_perfect_overlap(bench):
+  # Issue 19's small-M bound (T_fused <= max(T_gemm, T_comm) + 5 us) read off the table.
+  rec = _good_record(bench)
+  rec.update(implementation="fused", timer="cupti", performance_claims=True,
+             metrics={"overlap_efficiency": 0.5, "t_ideal_us": 42.0, "speedup_vs_seq": 1.1})
+  rec["timing"]["stats"]["median"] = 50.5
+  header, _, row = bench.format_table([rec, _good_record(bench)]).splitlines()[:3]
+  at = header.index("over_us")
+  assert row[at:at + 7].strip() == "8.5"  # 50.5 - 42.0, not E or the speedup
+  no_claims = bench.format_table([_good_record(bench)]).splitlines()[2]
+  assert no_claims[at:at + 7].strip() == "-"
+
+
 # --- end to end -----------------------------------------------------------------
 
 
