@@ -159,7 +159,8 @@ Rows per shape: gemm = jnp.dot alone (T_gemm), comm = psum_scatter of the [m, n]
 the op (fused = the Pallas kernel, xla, auto) and xla_windowed_einsum (XLA's collective matmul).
 E = (T_gemm + T_comm - T_fused) / min(T_gemm, T_comm): 0 = no overlap, 1 = the fused time reached
 max(T_gemm, T_comm); E 95% = its interval over the timing rounds (a bootstrap of rounds);
-over_us = median - max(T_gemm, T_comm), the microseconds above perfect overlap; speedup = T_seq / T_fused. max_rel_err is normwise against a float64 numpy
+over_us = median - max(T_gemm, T_comm), the microseconds above perfect overlap;
+speedup = T_seq / T_fused. max_rel_err is normwise against a float64 numpy
 reference; ratio = that error / the unfused path's (the seed rule: <= 1.1)."""
 
 
@@ -208,8 +209,7 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
   """A short fixed-width table: one row per record."""
   header = (f"{'shape':<40} {'impl':<20} {'D':>2} {'median_us':>10} "
             f"{'p90_us':>9} {'E':>6} {'E 95%':>11} {'over_us':>7} {'speedup':>7} "
-            f"{'max_rel_err':>11} "
-            f"{'ratio':>6} status")
+            f"{'max_rel_err':>11} {'ratio':>6} status")
   lines = [header, "-" * len(header)]
   for r in records:
     stats = (r["timing"] or {}).get("stats") or {}
