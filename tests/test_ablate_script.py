@@ -16,13 +16,17 @@ fused.fused_matmul_reduce_scatter = stand_in
 """
 
 
+# The scripts refuse to run without a GPU; their stand-in kernels run on the CPU.
+_NO_GPU_CHECK = "mod.bench_env.require_gpu = lambda script, what: None\n"
+
+
 @pytest.mark.slow  # ~30 s on 2 CPU cores: the slow layer (tests/conftest.py).
 def test_ablate_script_plumbing(tmp_path):
   out = tmp_path / "ablate.json"
   proc = helpers.run_script_with_stand_ins(
       "ablate.py", ["--names=llama70b_o_proj_m512", "--iterations=2", f"--out={out}",
                     "--configs=table,t64x128,t64x128_c4", "--ablations=fused,neither,moves"],
-      stand_ins=STAND_INS, after_load="mod.bench_env.require_gpu = lambda script, what: None")
+      stand_ins=STAND_INS, after_load=_NO_GPU_CHECK)
   assert proc.returncode == 1, proc.stderr[-3000:]  # the wrong kernel
   assert ("1 of 3 kernel outputs broke it: llama70b_o_proj_m512 t64x128_c4:fused"
           in proc.stdout), proc.stdout[-3000:]
@@ -95,7 +99,7 @@ def test_ablate_script_alone(tmp_path):
           "--iterations=2", f"--out={out}", "--configs=table", "--ablations=no_comm,neither"]
   proc = helpers.run_script_with_stand_ins(
       "ablate.py", args, stand_ins=ALONE_STAND_IN,
-      after_load="mod.bench_env.require_gpu = lambda script, what: None")
+      after_load=_NO_GPU_CHECK)
   assert proc.returncode == 0, proc.stderr[-3000:]
   (row,) = json.loads(out.read_text())["rows"]
   assert (row["d"], row["rank"], row["transport"]) == (8, 3, "alone")
@@ -106,7 +110,7 @@ def test_ablate_script_alone(tmp_path):
   # and the table splits the Mosaic kernel from what else the call launched.
   proc = helpers.run_script_with_stand_ins(
       "ablate.py", args, stand_ins=ALONE_STAND_IN,
-      after_load="mod.bench_env.require_gpu = lambda script, what: None\n" + _WITH_KERNELS)
+      after_load=_NO_GPU_CHECK + _WITH_KERNELS)
   assert proc.returncode == 0, proc.stderr[-3000:]
   (row,) = json.loads(out.read_text())["rows"]
   assert set(row["kernels"]) == {"no_comm", "neither", "xla_gemm"}
@@ -119,7 +123,7 @@ def test_ablate_script_alone(tmp_path):
   # call's kernels by name.
   proc = helpers.run_script_with_stand_ins(
       "ablate.py", args + ["--producer=swiglu"], stand_ins=ALONE_STAND_IN,
-      after_load="mod.bench_env.require_gpu = lambda script, what: None\n" + _WITH_KERNELS
+      after_load=_NO_GPU_CHECK + _WITH_KERNELS
       + _SPY_PRODUCER)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert proc.stdout.count("producer traced") == 3, proc.stdout
@@ -132,11 +136,11 @@ def test_ablate_script_alone(tmp_path):
   # runs.
   proc = helpers.run_script_with_stand_ins(
       "ablate.py", args[1:] + ["--producer=swiglu"], stand_ins=ALONE_STAND_IN,
-      after_load="mod.bench_env.require_gpu = lambda script, what: None")
+      after_load=_NO_GPU_CHECK)
   assert proc.returncode != 0 and "--producer needs --alone" in proc.stderr
   proc = helpers.run_script_with_stand_ins(
       "ablate.py", args[:-1] + ["--ablations=fused,neither"], stand_ins=ALONE_STAND_IN,
-      after_load="mod.bench_env.require_gpu = lambda script, what: None")
+      after_load=_NO_GPU_CHECK)
   assert proc.returncode != 0 and "drop ['fused']" in proc.stderr
 
 
@@ -161,7 +165,7 @@ def test_ablate_judges_a_loopback_kernel_by_the_order_its_numerics_copies(tmp_pa
       "ablate.py", ["--num_devices=4", "--names=mixtral8x22b_o_proj_m512", "--iterations=2",
                     f"--out={out}", "--configs=table,ring", "--ablations=fused"],
       stand_ins=LOOPBACK_STAND_IN,
-      after_load=("mod.bench_env.require_gpu = lambda script, what: None\n"
+      after_load=(_NO_GPU_CHECK +
                   "import jax\n_all = jax.devices\njax.devices = lambda *a: _all(*a)[:1]"))
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
   (row,) = json.loads(out.read_text())["rows"]
