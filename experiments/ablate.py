@@ -98,6 +98,7 @@ def main(argv):
   import jax  # pylint: disable=g-import-not-at-top
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
   from pallas_rs.kernel import fused  # pylint: disable=g-import-not-at-top
+  from pallas_rs import model  # pylint: disable=g-import-not-at-top
   from pallas_rs import reference  # pylint: disable=g-import-not-at-top
   from pallas_rs.bench import shapes  # pylint: disable=g-import-not-at-top
   from pallas_rs.bench import testing  # pylint: disable=g-import-not-at-top
@@ -133,9 +134,11 @@ def main(argv):
       if _PRODUCER.value:
         row["producer"] = _PRODUCER.value
         args = (args[0], testing.generate(1, m, k_shard, n)[0], args[1])
+        # The block's own activation (pallas_rs.model), so the producer is the model's.
+        act = lambda a, b: model.swiglu(a, b, a.dtype)
         build = lambda ablate, cfg, kernel=build: jax.jit(
-            lambda a, b, w: kernel(ablate, cfg)(swiglu(a, b), w))
-        baselines = {"xla_gemm": jax.jit(lambda a, b, w: reference.dot(swiglu(a, b), w))}
+            lambda a, b, w: kernel(ablate, cfg)(act(a, b), w))
+        baselines = {"xla_gemm": jax.jit(lambda a, b, w: reference.dot(act(a, b), w))}
       check = None
     elif nvlink:
       mesh = jax.make_mesh((d,), ("tp",), devices=gpus[:d])
@@ -245,13 +248,6 @@ def main(argv):
   print("wrote", out)
   if broken:
     sys.exit(1)
-
-
-def swiglu(a, b):
-  """--producer=swiglu: a SwiGLU's output, the down projection's x (fp32 math, x's dtype)."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  return (jax.nn.silu(a.astype(jnp.float32)) * b.astype(jnp.float32)).astype(a.dtype)
 
 
 if __name__ == "__main__":

@@ -185,6 +185,11 @@ def column_parallel(x, w, *, axis_name, implementation, ag_implementation, layer
 # ---------------------------------------------------------------------------
 
 
+def swiglu(gate: jax.Array, up: jax.Array, dtype) -> jax.Array:
+  """silu(gate) * up in fp32, cast to dtype: the MLP's activation, the down projection's x."""
+  return (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(dtype)
+
+
 def local_params(params: BlockParams) -> BlockParams:
   """Per-device params as seen in shard_map -> 2-D matrices ([H, 1, c] -> [H, c])."""
   return params._replace(wqkv=params.wqkv.reshape(params.wqkv.shape[0], -1),
@@ -258,8 +263,8 @@ def block_forward(params: BlockParams, h: jax.Array, *, axis_name,
   h = h + row(attn, p.wo, config=_config_for(config, "o_proj"), layer="o_proj")
 
   gate_up = column(rms_norm(h, p.mlp_norm, eps), p.wgate_up, layer="gate_up")  # [M, 2F/D]
-  gate, up = jnp.split(gate_up.astype(jnp.float32), 2, axis=1)
-  act = (jax.nn.silu(gate) * up).astype(h.dtype)
+  gate, up = jnp.split(gate_up, 2, axis=1)
+  act = swiglu(gate, up, h.dtype)
   return h + row(act, p.wdown, config=_config_for(config, "down_proj"), layer="down_proj")
 
 

@@ -84,11 +84,12 @@ _alt.time_alternating = _with_kernels
 
 # Each trace of --producer's SwiGLU, printed (a model's x computed in the same jit).
 _SPY_PRODUCER = """
-_swiglu = mod.swiglu
-def _spy(a, b):
+from pallas_rs import model as _model
+_swiglu = _model.swiglu
+def _spy(gate, up, dtype):
   print("producer traced", flush=True)
-  return _swiglu(a, b)
-mod.swiglu = _spy
+  return _swiglu(gate, up, dtype)
+_model.swiglu = _spy
 """
 
 
