@@ -40,6 +40,15 @@ set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_ALLOCATOR=default
 out=${OUT:-/tmp/mg}; mkdir -p "$out"
 quiet() { grep -v '^[IW][0-9]'; }
+# The four projections' shape names, comma-joined: for each projection, each M in $1, each
+# suffix after it ("" the seed shape, _proxy8 its D = 8 k_shard at D = 2).
+projection_names() {
+  local ms=$1 names="" p m s; shift
+  for p in llama70b_o_proj llama70b_down_proj mixtral8x22b_o_proj mixtral8x22b_w2; do
+    for m in $ms; do for s in "$@"; do names="$names${names:+,}${p}_m${m}${s}"; done; done
+  done
+  echo "$names"
+}
 case "${1:-check}" in
   check)
     nvidia-smi topo -m | tee "$out/topo.txt"
@@ -118,10 +127,7 @@ llama70b_o_proj_m512,llama70b_o_proj_m32768,mixtral8x22b_w2_m2048,llama70b_down_
     # The backward's all-gather matmul (jax's kernel) at M <= 8192: its default and each CTA
     # tile of candidates.ag_tile_variants vs XLA, into a copy of the tuning table (2% margin).
     cp pallas_rs/tuning/data/tuning_table.json "$out/tuning_table.json"
-    names=""
-    for p in llama70b_o_proj llama70b_down_proj mixtral8x22b_o_proj mixtral8x22b_w2; do
-      for m in 512 2048 8192; do names="$names${names:+,}${p}_m${m}"; done
-    done
+    names=$(projection_names "512 2048 8192" "")
     timeout 560 python3 experiments/autotune.py --mode=multi_gpu --op=ag_matmul --names="$names" \
       --max_configs=8 --iterations=20 --margin=0.02 --table="$out/tuning_table.json" \
       --out="$out/autotune_ag.json" 2>&1 | quiet | tail -20 ;;
@@ -142,10 +148,7 @@ llama70b_o_proj_m512,llama70b_o_proj_m32768,mixtral8x22b_w2_m2048,llama70b_down_
     # and the M split's 128 x 256 and 128 x 192, and the 128 x 256 at 4 steps with
     # prefetch_tiles (4 divides every seed and proxy8 k_shard's blocks), at M = 512 and 2048.
     suffix=""; [ "$1" = smallm_proxy8 ] && suffix=_proxy8
-    names=""
-    for p in llama70b_o_proj llama70b_down_proj mixtral8x22b_o_proj mixtral8x22b_w2; do
-      for m in 512 2048; do names="$names${names:+,}${p}_m${m}${suffix}"; done
-    done
+    names=$(projection_names "512 2048" "$suffix")
     timeout 540 python3 experiments/ablate.py --names="$names" --iterations=50 \
       --configs=table,tadd,tadd_t64x256_wm,tadd_t64x192_wm,tadd_t64x256_wm_s4_pf \
       --ablations=fused,neither \
@@ -158,12 +161,7 @@ llama70b_o_proj_m512,llama70b_o_proj_m32768,mixtral8x22b_w2_m2048,llama70b_down_
     # there beside the configs that beat the table one rank alone on one H100 (BUILD_NOTES
     # 2026-12-07, 106th: the M split's 128 x 192 tile, the ping-pong, one epilogue slot);
     # ablate.py's "other us" column is jax's zero-fill of the semaphores.
-    seed=""; proxy=""
-    for p in llama70b_o_proj llama70b_down_proj mixtral8x22b_o_proj mixtral8x22b_w2; do
-      for m in 512 2048; do
-        seed="$seed${seed:+,}${p}_m${m}"; proxy="$proxy${proxy:+,}${p}_m${m}_proxy8"
-      done
-    done
+    seed=$(projection_names "512 2048" ""); proxy=$(projection_names "512 2048" _proxy8)
     timeout 350 python3 experiments/ablate.py --alone --num_devices=2 --names="$seed,$proxy" \
       --iterations=50 --configs=table,tadd,tadd_t64x192_wm --ablations=no_comm,neither \
       --out="$out/ablate_alone_d2.json" 2>&1 | quiet | tail -90
@@ -183,10 +181,7 @@ llama70b_o_proj_m512,llama70b_o_proj_m32768,mixtral8x22b_w2_m2048,llama70b_down_
     cp pallas_rs/tuning/data/tuning_table.json "$out/tuning_table.json"
     ms="512 2048"; [ "$1" = order ] && ms="32768 8192"
     for m in $ms; do
-      names=""
-      for p in llama70b_o_proj llama70b_down_proj mixtral8x22b_o_proj mixtral8x22b_w2; do
-        names="$names${names:+,}${p}_m${m},${p}_m${m}_proxy8"
-      done
+      names=$(projection_names "$m" "" _proxy8)
       timeout 275 python3 experiments/autotune.py --mode=multi_gpu --candidates="$1" --tags= \
         --names="$names" --iterations=20 --margin=0.02 --table="$out/tuning_table.json" \
         --out="$out/autotune_$1_m$m.json" 2>&1 | quiet | tail -14
@@ -251,10 +246,7 @@ mixtral8x22b_w2_m2048,llama70b_o_proj_m8192,llama70b_o_proj_m8192_proxy8 2>&1 | 
     # Issue 19's fused targets, first on x2: on the four M = 512 seed shapes (D = all GPUs) and
     # their proxy8 shapes (D = 2), E >= 0.9 and T_fused <= max(T_gemm, T_comm) + 5 us (the
     # table's over_us column), every output checked; `smallm`/`smallm_proxy8` time the cores.
-    names=""
-    for p in llama70b_o_proj llama70b_down_proj mixtral8x22b_o_proj mixtral8x22b_w2; do
-      names="$names${names:+,}${p}_m512,${p}_m512_proxy8"
-    done
+    names=$(projection_names 512 "" _proxy8)
     timeout 560 python3 experiments/matmul_rs_bench.py --mode=multi_gpu --names="$names" \
       --iterations=200 --implementations=xla,fused,auto --keep_going \
       --out="$out/multi_gpu_issue19_m512.json" 2>&1 | quiet | tail -40 ;;
