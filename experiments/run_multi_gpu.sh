@@ -294,8 +294,8 @@ mixtral8x22b_w2_m512,llama70b_o_proj_m2048,mixtral8x22b_o_proj_m2048 \
     # One GPU: the fused body's ping-pong in loopback at D = 4 and 8, every element against the
     # error rule (clean on one H100, BUILD_NOTES 2026-12-07); then its GEMM core beside the
     # 4-step prefetch kernel's, D = 8's k_shard; on an H200 also the hundred-and-second entry's
-    # spread variants and two more tile orders at M = 2048 (issue 19's two H200 misses, never
-    # probed there).
+    # spread variants and two more tile orders at M = 2048 (issue 19's two H200 misses; the
+    # ping-pong closes both there: BUILD_NOTES 2026-12-07, 112th session).
     for d in 4 8; do
       timeout 120 python3 experiments/ablate.py --num_devices=$d --iterations=10 \
         --names=llama70b_o_proj_m2048,mixtral8x22b_w2_m2048 --configs=t128x128_s4,t128x128_s4_pp \
